@@ -1,0 +1,122 @@
+//! The rule table. Each family module exports `RULES: &[(name, Rule)]`; names are ATen
+//! op names without overload. `.out` and in-place variants reuse the functional rule (the
+//! runtime writes the result where it belongs), so one entry serves all three.
+
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+use crate::args::Scalar;
+use crate::promote::{result_type, Operand};
+use crate::shape::broadcast_all;
+use crate::{Builder, Ctx, DType, LResult, Rule, TensorArg, Value};
+
+pub mod pointwise;
+pub mod reduce;
+pub mod linalg;
+pub mod views;
+
+fn families() -> Vec<&'static [(&'static str, Rule)]> {
+    vec![pointwise::RULES, reduce::RULES, linalg::RULES, views::RULES]
+}
+
+fn table() -> &'static HashMap<&'static str, Rule> {
+    static TABLE: OnceLock<HashMap<&'static str, Rule>> = OnceLock::new();
+    TABLE.get_or_init(|| {
+        let mut m = HashMap::new();
+        for fam in families() {
+            for (name, rule) in fam.iter() {
+                let prev = m.insert(*name, *rule);
+                assert!(prev.is_none(), "two lowering rules for {name}");
+            }
+        }
+        m
+    })
+}
+
+pub fn lookup(op: &str) -> Option<Rule> {
+    table().get(op).copied()
+}
+
+/// Every op name with a rule (for coverage reports).
+pub fn names() -> Vec<&'static str> {
+    let mut v: Vec<&str> = table().keys().copied().collect();
+    v.sort();
+    v
+}
+
+/// A pointwise operand: a tensor or a Python number.
+#[derive(Clone, Debug)]
+pub enum Opnd {
+    T(TensorArg),
+    S(Scalar),
+}
+
+impl Opnd {
+    fn promo(&self) -> Operand {
+        match self {
+            Opnd::T(t) if t.wrapped_number => Operand::Number(match t.dtype {
+                DType::Bool => Scalar::Bool(true),
+                d if d.is_float() => Scalar::Float(0.0),
+                _ => Scalar::Int(0),
+            }),
+            Opnd::T(t) if t.shape.is_empty() => Operand::ZeroDim(t.dtype),
+            Opnd::T(t) => Operand::Dim(t.dtype),
+            Opnd::S(s) => Operand::Number(*s),
+        }
+    }
+    fn shape(&self) -> &[i64] {
+        match self {
+            Opnd::T(t) => &t.shape,
+            Opnd::S(_) => &[],
+        }
+    }
+}
+
+/// The argument `name` as an operand (tensor, or number).
+pub fn opnd(c: &Ctx, name: &str) -> LResult<Opnd> {
+    if let Some(t) = c.args.opt_tensor(name) {
+        return Ok(Opnd::T(t.clone()));
+    }
+    Ok(Opnd::S(c.args.scalar(name)?))
+}
+
+/// Common dtype and broadcast shape of operands.
+pub fn common(ops: &[Opnd]) -> LResult<(DType, Vec<i64>)> {
+    let dtype = result_type(&ops.iter().map(|o| o.promo()).collect::<Vec<_>>());
+    let shapes: Vec<&[i64]> = ops.iter().map(|o| o.shape()).collect();
+    Ok((dtype, broadcast_all(&shapes)?))
+}
+
+/// The operand as a value of `dtype` broadcast to `shape`.
+pub fn mat(b: &mut Builder, o: &Opnd, dtype: DType, shape: &[i64]) -> Value {
+    match o {
+        Opnd::T(t) => {
+            let v = b.convert(t.value, dtype);
+            b.broadcast_to(v, shape)
+        }
+        Opnd::S(s) => b.full(dtype, shape, s.as_f64()),
+    }
+}
+
+/// Promotes and broadcasts operands: returns (values, result dtype, shape). `compute`
+/// maps the promoted dtype to the dtype the math runs in (e.g. ints to float for `div`).
+pub fn promote(
+    c: &mut Ctx,
+    names: &[&str],
+    compute: fn(DType) -> DType,
+) -> LResult<(Vec<Value>, DType, Vec<i64>)> {
+    let ops: Vec<Opnd> = names.iter().map(|n| opnd(c, n)).collect::<LResult<_>>()?;
+    let (dt, shape) = common(&ops)?;
+    let dt = compute(dt);
+    let vals = ops.iter().map(|o| mat(c.b, o, dt, &shape)).collect();
+    Ok((vals, dt, shape))
+}
+
+pub fn same(d: DType) -> DType {
+    d
+}
+
+/// A scalar constant of `like`'s dtype and shape.
+pub fn splat(b: &mut Builder, like: Value, v: f64) -> Value {
+    b.splat(like, v)
+}

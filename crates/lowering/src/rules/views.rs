@@ -1,0 +1,181 @@
+//! Ops that rearrange data into a new tensor: cat, flip, roll, repeat, clone.
+
+use crate::shape::{shape_str, wrap_dim};
+use crate::{user_err, Ctx, DType, ErrorKind, LResult, Out, Rule};
+
+fn cat(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let ts: Vec<_> = c.args.tensors("tensors")?.into_iter().cloned().collect();
+    if ts.is_empty() {
+        return user_err(ErrorKind::Runtime, "torch.cat(): expected a non-empty list of Tensors");
+    }
+    // Legacy behaviour: 1-d empty tensors are skipped.
+    let parts: Vec<_> = ts.iter().filter(|t| !(t.shape.len() == 1 && t.shape[0] == 0)).collect();
+    let dt = ts.iter().map(|t| t.dtype).reduce(crate::promote::promote_types).unwrap_or(DType::F32);
+    if parts.is_empty() {
+        return Ok(vec![Out::T(c.b.full(dt, &[0], 0.0))]);
+    }
+    let rank = parts[0].shape.len();
+    if rank == 0 {
+        return user_err(
+            ErrorKind::Runtime,
+            "zero-dimensional tensor (at position 0) cannot be concatenated",
+        );
+    }
+    let dim = wrap_dim(c.args.int_or("dim", 0), rank)?;
+    for (i, t) in parts.iter().enumerate() {
+        if t.shape.len() != rank {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "Tensors must have same number of dimensions: got {} and {}",
+                    rank,
+                    t.shape.len()
+                ),
+            );
+        }
+        for d in 0..rank {
+            if d != dim && t.shape[d] != parts[0].shape[d] {
+                return user_err(
+                    ErrorKind::Runtime,
+                    format!(
+                        "Sizes of tensors must match except in dimension {}. Expected size {} but got size {} for tensor number {} in the list.",
+                        dim, parts[0].shape[d], t.shape[d], i
+                    ),
+                );
+            }
+        }
+    }
+    let vals: Vec<_> = parts.iter().map(|t| c.b.convert(t.value, dt)).collect();
+    Ok(vec![Out::T(c.b.concatenate(&vals, dim))])
+}
+
+fn flip(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = c.args.tensor("self")?.clone();
+    let dims = c.args.ints("dims")?;
+    let mut ds = Vec::new();
+    for d in dims {
+        let w = wrap_dim(d, t.shape.len())? as i64;
+        if ds.contains(&w) {
+            return user_err(ErrorKind::Runtime, format!("dims has duplicates, original flip dims size={}, but unique flip dims size={}", ds.len() + 1, ds.len()));
+        }
+        ds.push(w);
+    }
+    if t.shape.is_empty() || ds.is_empty() {
+        return Ok(vec![Out::T(t.value)]);
+    }
+    let ty = c.b.ty(t.value).clone();
+    let attrs = format!("dimensions = {}", stablehlo::i64_array(&ds));
+    Ok(vec![Out::T(c.b.op("stablehlo.reverse", &[t.value], &attrs, ty))])
+}
+
+fn roll(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = c.args.tensor("self")?.clone();
+    let shifts = c.args.ints("shifts")?;
+    let dims = c.args.ints("dims").unwrap_or_default();
+    let b = &mut *c.b;
+    if dims.is_empty() {
+        // Roll the flattened tensor.
+        let n: i64 = t.shape.iter().product();
+        let flat = b.reshape(t.value, &[n]);
+        let r = roll_dim(b, flat, 0, shifts[0], n);
+        return Ok(vec![Out::T(b.reshape(r, &t.shape))]);
+    }
+    if shifts.len() != dims.len() {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("shifts and dimensions must align. shifts: {}, dims:{}", shifts.len(), dims.len()),
+        );
+    }
+    let mut x = t.value;
+    for (s, d) in shifts.iter().zip(dims.iter()) {
+        let d = wrap_dim(*d, t.shape.len())?;
+        x = roll_dim(b, x, d, *s, t.shape[d]);
+    }
+    Ok(vec![Out::T(x)])
+}
+
+fn roll_dim(b: &mut stablehlo::Builder, x: stablehlo::Value, d: usize, shift: i64, n: i64) -> stablehlo::Value {
+    if n == 0 {
+        return x;
+    }
+    let s = shift.rem_euclid(n);
+    if s == 0 {
+        return x;
+    }
+    let tail = b.slice_dim(x, d, n - s, n, 1);
+    let head = b.slice_dim(x, d, 0, n - s, 1);
+    b.concatenate(&[tail, head], d)
+}
+
+fn repeat(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = c.args.tensor("self")?.clone();
+    let reps = c.args.ints("repeats")?;
+    if reps.len() < t.shape.len() {
+        return user_err(
+            ErrorKind::Runtime,
+            "Number of dimensions of repeat dims can not be smaller than number of dimensions of tensor",
+        );
+    }
+    let b = &mut *c.b;
+    let pad = reps.len() - t.shape.len();
+    let mut src = vec![1; pad];
+    src.extend_from_slice(&t.shape);
+    // Broadcast to [r0, s0, r1, s1, ...] then merge pairs.
+    let mut big = Vec::new();
+    let mut dims = Vec::new();
+    for (i, (r, s)) in reps.iter().zip(src.iter()).enumerate() {
+        big.push(*r);
+        big.push(*s);
+        dims.push((2 * i + 1) as i64);
+    }
+    let x = b.reshape(t.value, &src);
+    let x = b.broadcast_in_dim(x, &big, &dims);
+    let out: Vec<i64> = reps.iter().zip(src.iter()).map(|(r, s)| r * s).collect();
+    let _ = shape_str(&out);
+    Ok(vec![Out::T(b.reshape(x, &out))])
+}
+
+fn clone(c: &mut Ctx) -> LResult<Vec<Out>> {
+    Ok(vec![Out::T(c.t("self")?)])
+}
+
+/// `dst.copy_(src)` as a value: src converted to dst's dtype and expanded to its size.
+fn copy(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = c.args.tensor("self")?.clone();
+    let dt = c.args.opt_dtype("dtype").unwrap_or(t.dtype);
+    let size = c.args.ints("size")?;
+    expand_check(&t.shape, &size)?;
+    let v = c.b.convert(t.value, dt);
+    Ok(vec![Out::T(c.b.broadcast_to(v, &size))])
+}
+
+/// PyTorch's `expand` check, with its message.
+pub fn expand_check(from: &[i64], to: &[i64]) -> LResult<()> {
+    let bad = from.len() > to.len()
+        || from.iter().rev().zip(to.iter().rev()).any(|(f, t)| *f != *t && *f != 1);
+    if bad {
+        let i = from.iter().rev().zip(to.iter().rev()).position(|(f, t)| *f != *t && *f != 1).unwrap_or(0);
+        let d = to.len().saturating_sub(1 + i);
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "The expanded size of the tensor ({}) must match the existing size ({}) at non-singleton dimension {}.  Target sizes: {}.  Tensor sizes: {}",
+                to.get(d).copied().unwrap_or(0),
+                from.get(from.len().saturating_sub(1 + i)).copied().unwrap_or(0),
+                d,
+                shape_str(to),
+                shape_str(from)
+            ),
+        );
+    }
+    Ok(())
+}
+
+pub const RULES: &[(&str, Rule)] = &[
+    ("aten::cat", cat),
+    ("aten::flip", flip),
+    ("aten::roll", roll),
+    ("aten::repeat", repeat),
+    ("aten::clone", clone),
+    ("torch_pjrt::copy", copy),
+];

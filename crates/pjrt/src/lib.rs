@@ -1,0 +1,819 @@
+//! Safe bindings to a PJRT plugin (XLA) through the PJRT C API.
+//!
+//! The plugin shared library is `dlopen`ed at run time ([`Plugin::load`]). The
+//! C API header comes from the `xla-cpu-pjrt` wheel at build time and is used
+//! only by a small C shim (`csrc/pjrt_wrap.c`) with a flat API declared in
+//! `ffi.rs`. Programs are StableHLO MLIR text compiled for a single device.
+
+mod ffi;
+
+use std::ffi::{c_char, c_int, c_void, CString};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::ptr;
+use std::sync::{Arc, Mutex};
+
+/// A PJRT error: PJRT_Error_Code (absl status code) and message.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Error {
+    pub code: i32,
+    pub message: String,
+}
+
+/// PJRT_Error_Code values used for errors raised by this crate itself.
+pub mod code {
+    pub const INVALID_ARGUMENT: i32 = 3;
+    pub const NOT_FOUND: i32 = 5;
+    pub const UNIMPLEMENTED: i32 = 12;
+    pub const INTERNAL: i32 = 13;
+}
+
+impl Error {
+    pub fn new(code: i32, message: impl Into<String>) -> Self {
+        let message = message.into();
+        Error { code, message }
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PJRT error (code {}): {}", self.code, self.message)
+    }
+}
+
+impl std::error::Error for Error {}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+fn invalid(message: impl Into<String>) -> Error {
+    Error::new(code::INVALID_ARGUMENT, message)
+}
+
+/// Converts a wrapper error (NULL = success) into a `Result`, freeing it.
+fn check(e: ffi::Err) -> Result<()> {
+    if e.is_null() {
+        return Ok(());
+    }
+    let mut len = 0usize;
+    // SAFETY: `e` is a live error from the wrapper; its message is valid for
+    // `len` bytes until `pw_err_free`, which runs exactly once, after the copy.
+    unsafe {
+        let message = String::from_utf8_lossy(slice(ffi::pw_err_msg(e, &mut len), len)).into();
+        let code = ffi::pw_err_code(e);
+        ffi::pw_err_free(e);
+        Err(Error { code, message })
+    }
+}
+
+/// `(ptr, len)` as a slice; NULL gives an empty slice.
+///
+/// # Safety
+/// `p` must be NULL or valid for reads of `n` elements for `'a`.
+unsafe fn slice<'a, T, U>(p: *const T, n: usize) -> &'a [U] {
+    if p.is_null() || n == 0 {
+        return &[];
+    }
+    // SAFETY: guaranteed by the caller; T and U have the same layout at call sites.
+    unsafe { std::slice::from_raw_parts(p.cast::<U>(), n) }
+}
+
+/// Calls a wrapper function returning a malloc'd `(char*, size)` and copies it out.
+fn malloced(f: impl FnOnce(*mut *mut c_char, *mut usize) -> ffi::Err) -> Result<Vec<u8>> {
+    let (mut p, mut n) = (ptr::null_mut(), 0usize);
+    check(f(&mut p, &mut n))?;
+    // SAFETY: on success `p` is NULL or a malloc'd block of `n` bytes that we
+    // own; it is copied, then freed once.
+    unsafe {
+        let v = slice::<c_char, u8>(p, n).to_vec();
+        ffi::pw_free(p.cast::<c_void>());
+        Ok(v)
+    }
+}
+
+/// Array element types (the PJRT_Buffer_Type values PRED..BF16).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ElementType {
+    Pred,
+    S8,
+    S16,
+    S32,
+    S64,
+    U8,
+    U16,
+    U32,
+    U64,
+    F16,
+    F32,
+    F64,
+    BF16,
+}
+
+impl ElementType {
+    const ALL: [ElementType; 13] = {
+        use ElementType::*;
+        [
+            Pred, S8, S16, S32, S64, U8, U16, U32, U64, F16, F32, F64, BF16,
+        ]
+    };
+
+    /// Size of one element in bytes (PRED is one byte).
+    pub fn byte_size(self) -> usize {
+        use ElementType::*;
+        match self {
+            Pred | S8 | U8 => 1,
+            S16 | U16 | F16 | BF16 => 2,
+            S32 | U32 | F32 => 4,
+            S64 | U64 | F64 => 8,
+        }
+    }
+
+    /// The PJRT_Buffer_Type enum value (PRED = 1 ... BF16 = 13).
+    pub fn to_pjrt(self) -> i32 {
+        self as i32 + 1
+    }
+
+    /// Inverse of [`ElementType::to_pjrt`]; `None` for types not modelled here.
+    pub fn from_pjrt(v: i32) -> Option<Self> {
+        usize::try_from(v - 1)
+            .ok()
+            .and_then(|i| Self::ALL.get(i).copied())
+    }
+}
+
+// ----------------------------------------------------------------- Plugin --
+
+/// APIs for which PJRT_Plugin_Initialize ran (it must run once per process).
+static INITIALIZED: Mutex<Vec<(usize, Result<()>)>> = Mutex::new(Vec::new());
+
+/// A loaded PJRT plugin shared library (never unloaded).
+pub struct Plugin {
+    api: ffi::Api,
+    path: PathBuf,
+}
+
+// SAFETY: the PJRT_Api table is immutable static data of a library that is
+// never unloaded, and PJRT entry points may be called from any thread.
+unsafe impl Send for Plugin {}
+// SAFETY: see above.
+unsafe impl Sync for Plugin {}
+
+impl fmt::Debug for Plugin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Plugin({}, api {:?})",
+            self.path.display(),
+            self.api_version()
+        )
+    }
+}
+
+impl Plugin {
+    /// `dlopen`s `path` and fetches its `GetPjrtApi` table.
+    pub fn load(path: &Path) -> Result<Arc<Plugin>> {
+        if !path.is_file() {
+            let msg = format!("PJRT plugin {} does not exist", path.display());
+            return Err(Error::new(code::NOT_FOUND, msg));
+        }
+        let cpath = CString::new(path.as_os_str().as_encoded_bytes())
+            .map_err(|_| invalid("plugin path contains NUL"))?;
+        let mut api: ffi::Api = ptr::null();
+        // SAFETY: `cpath` is a valid C string; `api` is a valid out pointer.
+        check(unsafe { ffi::pw_load(cpath.as_ptr(), &mut api) })?;
+        Ok(Arc::new(Plugin {
+            api,
+            path: path.to_path_buf(),
+        }))
+    }
+
+    /// The PJRT C API version (major, minor) the plugin was built with.
+    pub fn api_version(&self) -> (i32, i32) {
+        let (mut major, mut minor): (c_int, c_int) = (0, 0);
+        // SAFETY: `self.api` is a valid PJRT_Api table; outputs are valid pointers.
+        unsafe { ffi::pw_api_version(self.api, &mut major, &mut minor) };
+        (major, minor)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs PJRT_Plugin_Initialize once per process for this plugin.
+    fn initialize(&self) -> Result<()> {
+        let mut done = INITIALIZED.lock().unwrap_or_else(|p| p.into_inner());
+        let key = self.api as usize;
+        if let Some((_, r)) = done.iter().find(|(k, _)| *k == key) {
+            return r.clone();
+        }
+        // SAFETY: `self.api` is a valid PJRT_Api table.
+        let r = check(unsafe { ffi::pw_plugin_initialize(self.api) });
+        done.push((key, r.clone()));
+        r
+    }
+}
+
+// ----------------------------------------------------------------- Client --
+
+struct ClientInner {
+    plugin: Arc<Plugin>,
+    raw: ffi::Handle,
+    devices: Vec<ffi::Handle>,
+    device_kinds: Vec<String>,
+    device_ids: Vec<i64>,
+    platform: [String; 2],
+}
+
+// SAFETY: a PJRT_Client is thread-safe; device handles are immutable objects
+// owned by the client, which this struct keeps alive.
+unsafe impl Send for ClientInner {}
+// SAFETY: see above.
+unsafe impl Sync for ClientInner {}
+
+impl ClientInner {
+    fn api(&self) -> ffi::Api {
+        self.plugin.api
+    }
+
+    fn device_index(&self, dev: ffi::Handle) -> Result<usize> {
+        let found = self.devices.iter().position(|d| *d == dev);
+        found.ok_or_else(|| Error::new(code::INTERNAL, "PJRT returned a non-addressable device"))
+    }
+
+    fn device(&self, i: usize) -> Result<ffi::Handle> {
+        let n = self.devices.len();
+        self.devices
+            .get(i)
+            .copied()
+            .ok_or_else(|| invalid(format!("device {i} out of range ({n} devices)")))
+    }
+}
+
+impl Drop for ClientInner {
+    fn drop(&mut self) {
+        // SAFETY: `raw` is a live client; buffers and executables hold an Arc
+        // to this object, so none outlive it. Errors cannot be reported here.
+        let _ = check(unsafe { ffi::pw_client_destroy(self.api(), self.raw) });
+    }
+}
+
+/// A PJRT client owning the plugin's addressable devices.
+pub struct Client {
+    inner: Arc<ClientInner>,
+}
+
+impl fmt::Debug for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Client({}, {} devices)",
+            self.inner.platform[0],
+            self.num_devices()
+        )
+    }
+}
+
+impl Client {
+    /// Initializes the plugin (once per process), then creates a client with no options.
+    pub fn new(plugin: Arc<Plugin>) -> Result<Arc<Client>> {
+        plugin.initialize()?;
+        let api = plugin.api;
+        let mut raw: ffi::Handle = ptr::null_mut();
+        // SAFETY: `api` is valid; `raw` is a valid out pointer.
+        check(unsafe { ffi::pw_client_create(api, &mut raw) })?;
+        let mut c = ClientInner {
+            plugin,
+            raw,
+            devices: vec![],
+            device_kinds: vec![],
+            device_ids: vec![],
+            platform: Default::default(),
+        };
+        for (which, out) in c.platform.iter_mut().enumerate() {
+            let (mut s, mut n) = (ptr::null(), 0usize);
+            // SAFETY: live client; on success `s` is valid for `n` bytes while it lives.
+            unsafe {
+                check(ffi::pw_client_string(
+                    api,
+                    raw,
+                    which as c_int,
+                    &mut s,
+                    &mut n,
+                ))?;
+                *out = String::from_utf8_lossy(slice(s, n)).into();
+            }
+        }
+        let (mut devs, mut n) = (ptr::null(), 0usize);
+        // SAFETY: live client; PJRT returns `n` device handles owned by the client.
+        unsafe {
+            check(ffi::pw_client_devices(api, raw, &mut devs, &mut n))?;
+            c.devices = slice(devs, n).to_vec();
+        }
+        for &d in &c.devices {
+            let (mut s, mut n, mut id) = (ptr::null(), 0usize, 0 as c_int);
+            // SAFETY: `d` is a device of the live client; `s` is valid for `n` bytes.
+            unsafe {
+                check(ffi::pw_device_info(api, d, &mut s, &mut n, &mut id))?;
+                c.device_kinds
+                    .push(String::from_utf8_lossy(slice(s, n)).into());
+            }
+            c.device_ids.push(i64::from(id));
+        }
+        Ok(Arc::new(Client { inner: Arc::new(c) }))
+    }
+
+    pub fn plugin(&self) -> &Arc<Plugin> {
+        &self.inner.plugin
+    }
+
+    pub fn platform_name(&self) -> String {
+        self.inner.platform[0].clone()
+    }
+
+    pub fn platform_version(&self) -> String {
+        self.inner.platform[1].clone()
+    }
+
+    /// Number of addressable devices; device indices are `0..num_devices()`.
+    pub fn num_devices(&self) -> usize {
+        self.inner.devices.len()
+    }
+
+    /// Device kind of device `i` (empty if `i` is out of range).
+    pub fn device_kind(&self, i: usize) -> String {
+        self.inner.device_kinds.get(i).cloned().unwrap_or_default()
+    }
+
+    /// Compiles StableHLO MLIR text (with a public `func.func @main`) for `device`.
+    pub fn compile(&self, mlir: &str, device: usize) -> Result<Executable> {
+        let c = &self.inner;
+        c.device(device)?;
+        let opts = compile_options(device, c.device_ids[device]);
+        let (code, copts) = (mlir.as_ptr().cast(), opts.as_ptr().cast());
+        let mut raw: ffi::Handle = ptr::null_mut();
+        // SAFETY: live client; inputs are valid for their lengths during the call.
+        check(unsafe {
+            ffi::pw_compile(
+                c.api(),
+                c.raw,
+                code,
+                mlir.len(),
+                copts,
+                opts.len(),
+                &mut raw,
+            )
+        })?;
+        Executable::from_raw(c, raw, device)
+    }
+
+    /// Loads an executable produced by [`Executable::serialize`] onto `device`.
+    pub fn deserialize(&self, bytes: &[u8], device: usize) -> Result<Executable> {
+        let c = &self.inner;
+        c.device(device)?;
+        let opts = compile_options(device, c.device_ids[device]);
+        let (b, o) = (bytes.as_ptr().cast(), opts.as_ptr().cast());
+        let mut raw: ffi::Handle = ptr::null_mut();
+        // SAFETY: live client; inputs are valid for their lengths during the call.
+        check(unsafe {
+            ffi::pw_deserialize(c.api(), c.raw, b, bytes.len(), o, opts.len(), &mut raw)
+        })?;
+        Executable::from_raw(c, raw, device)
+    }
+
+    /// Copies dense row-major `data` to `device`; `data` is free again on return.
+    pub fn buffer_from_host(
+        &self,
+        data: &[u8],
+        ty: ElementType,
+        dims: &[i64],
+        device: usize,
+    ) -> Result<Buffer> {
+        let c = &self.inner;
+        let dev = c.device(device)?;
+        let mut want = ty.byte_size();
+        for &d in dims {
+            let d = usize::try_from(d)
+                .map_err(|_| invalid(format!("negative dimension in {dims:?}")))?;
+            want = want.saturating_mul(d);
+        }
+        if want != data.len() {
+            return Err(invalid(format!(
+                "{ty:?}{dims:?} needs {want} bytes, got {}",
+                data.len()
+            )));
+        }
+        let (api, p, t) = (c.api(), data.as_ptr().cast(), ty.to_pjrt());
+        let mut raw: ffi::Handle = ptr::null_mut();
+        // SAFETY: live client and device; `data`/`dims` are valid for the call,
+        // and the wrapper waits for done_with_host_buffer before returning.
+        check(unsafe {
+            ffi::pw_buffer_from_host(api, c.raw, p, t, dims.as_ptr(), dims.len(), dev, &mut raw)
+        })?;
+        let mut b = Buffer::wrap(c, raw);
+        b.load_metadata()?;
+        Ok(b)
+    }
+}
+
+// ------------------------------------------------------ compile options --
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn put_int(out: &mut Vec<u8>, field: u64, v: i64) {
+    put_varint(out, field << 3);
+    put_varint(out, v as u64);
+}
+
+fn put_bytes(out: &mut Vec<u8>, field: u64, b: &[u8]) {
+    put_varint(out, (field << 3) | 2);
+    put_varint(out, b.len() as u64);
+    out.extend_from_slice(b);
+}
+
+/// Serialized `xla.CompileOptionsProto` for a single-device executable:
+/// executable_build_options(3) { device_ordinal(1), num_replicas(4)=1,
+/// num_partitions(5)=1, device_assignment(9) { replica_count(1)=1,
+/// computation_count(2)=1, computation_devices(3) { replica_device_ids(1) } } }.
+/// The device assignment is what places the executable: device_ordinal alone
+/// still yields the default assignment (device 0).
+fn compile_options(device_ordinal: usize, device_id: i64) -> Vec<u8> {
+    let mut computation_device = vec![];
+    put_int(&mut computation_device, 1, device_id);
+    let mut assignment = vec![];
+    put_int(&mut assignment, 1, 1);
+    put_int(&mut assignment, 2, 1);
+    put_bytes(&mut assignment, 3, &computation_device);
+    let mut build = vec![];
+    put_int(&mut build, 1, device_ordinal as i64);
+    put_int(&mut build, 4, 1);
+    put_int(&mut build, 5, 1);
+    put_bytes(&mut build, 9, &assignment);
+    let mut opts = vec![];
+    put_bytes(&mut opts, 3, &build);
+    opts
+}
+
+// ----------------------------------------------------------------- Buffer --
+
+/// An array on one device. Dropping it releases the device memory.
+pub struct Buffer {
+    client: Arc<ClientInner>,
+    raw: ffi::Handle,
+    dims: Vec<i64>,
+    ty: ElementType,
+    device: usize,
+}
+
+// SAFETY: PJRT_Buffer operations are thread-safe; the handle is uniquely owned.
+unsafe impl Send for Buffer {}
+// SAFETY: see above.
+unsafe impl Sync for Buffer {}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Buffer({:?}{:?} on device {})",
+            self.ty, self.dims, self.device
+        )
+    }
+}
+
+impl Drop for Buffer {
+    fn drop(&mut self) {
+        if !self.raw.is_null() {
+            // SAFETY: `raw` is a live buffer owned by this object; the client is alive.
+            let _ = check(unsafe { ffi::pw_buffer_destroy(self.client.api(), self.raw) });
+        }
+    }
+}
+
+impl Buffer {
+    /// Takes ownership of `raw` (NULL allowed); metadata is filled by `load_metadata`.
+    fn wrap(client: &Arc<ClientInner>, raw: ffi::Handle) -> Buffer {
+        Buffer {
+            client: client.clone(),
+            raw,
+            dims: vec![],
+            ty: ElementType::Pred,
+            device: 0,
+        }
+    }
+
+    fn load_metadata(&mut self) -> Result<()> {
+        if self.raw.is_null() {
+            return Err(Error::new(code::INTERNAL, "PJRT returned a null buffer"));
+        }
+        let (mut dims, mut n, mut ty, mut dev) = (ptr::null(), 0usize, 0 as c_int, ptr::null_mut());
+        // SAFETY: `raw` is a live buffer; the dims array lives as long as it does.
+        unsafe {
+            check(ffi::pw_buffer_meta(
+                self.client.api(),
+                self.raw,
+                &mut dims,
+                &mut n,
+                &mut ty,
+                &mut dev,
+            ))?;
+            self.dims = slice(dims, n).to_vec();
+        }
+        self.ty = ElementType::from_pjrt(ty).ok_or_else(|| {
+            Error::new(
+                code::UNIMPLEMENTED,
+                format!("unsupported PJRT_Buffer_Type {ty}"),
+            )
+        })?;
+        self.device = self.client.device_index(dev)?;
+        Ok(())
+    }
+
+    pub fn dims(&self) -> Vec<i64> {
+        self.dims.clone()
+    }
+
+    pub fn element_type(&self) -> ElementType {
+        self.ty
+    }
+
+    /// Index of the device holding this buffer (into the client's devices).
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Size in bytes of the dense row-major host representation.
+    pub fn byte_size(&self) -> usize {
+        let elems = self
+            .dims
+            .iter()
+            .map(|&d| d.max(0) as usize)
+            .product::<usize>();
+        elems * self.ty.byte_size()
+    }
+
+    pub fn on_device_size_in_bytes(&self) -> Result<usize> {
+        let mut n = 0usize;
+        // SAFETY: `raw` is a live buffer; `n` is a valid out pointer.
+        check(unsafe { ffi::pw_buffer_on_device_size(self.client.api(), self.raw, &mut n) })?;
+        Ok(n)
+    }
+
+    /// Copies the array into `out` (dense row-major, exactly `byte_size()` bytes),
+    /// blocking until done. Returns the producing computation's error if it failed.
+    pub fn to_host(&self, out: &mut [u8]) -> Result<()> {
+        let (p, n) = (out.as_mut_ptr().cast(), out.len());
+        if n != self.byte_size() {
+            return Err(invalid(format!(
+                "to_host: {n} bytes given, {self:?} needs {}",
+                self.byte_size()
+            )));
+        }
+        // SAFETY: `out` is valid for `n` bytes of writes, which PJRT checks
+        // against its own size; the wrapper waits for the copy to finish.
+        check(unsafe { ffi::pw_buffer_to_host(self.client.api(), self.raw, p, n) })
+    }
+
+    /// [`Buffer::to_host`] into a new Vec.
+    pub fn to_host_vec(&self) -> Result<Vec<u8>> {
+        let mut v = vec![0u8; self.byte_size()];
+        self.to_host(&mut v)?;
+        Ok(v)
+    }
+
+    /// Blocks until the buffer is ready; returns the producer's error if any.
+    pub fn ready(&self) -> Result<()> {
+        // SAFETY: `raw` is a live buffer.
+        check(unsafe { ffi::pw_buffer_ready(self.client.api(), self.raw) })
+    }
+
+    /// Whether the buffer is ready (or failed), without blocking.
+    pub fn is_ready_nonblocking(&self) -> Result<bool> {
+        let mut r: c_int = 0;
+        // SAFETY: `raw` is a live buffer; `r` is a valid out pointer.
+        check(unsafe { ffi::pw_buffer_is_ready(self.client.api(), self.raw, &mut r) })?;
+        Ok(r != 0)
+    }
+}
+
+// ------------------------------------------------------------- Executable --
+
+/// A compiled program loaded on one device.
+pub struct Executable {
+    client: Arc<ClientInner>,
+    raw: ffi::Handle,
+    num_outputs: usize,
+    device: usize,
+}
+
+// SAFETY: PJRT_LoadedExecutable is thread-safe (concurrent Execute is allowed).
+unsafe impl Send for Executable {}
+// SAFETY: see above.
+unsafe impl Sync for Executable {}
+
+impl fmt::Debug for Executable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Executable({} outputs, device {})",
+            self.num_outputs, self.device
+        )
+    }
+}
+
+impl Drop for Executable {
+    fn drop(&mut self) {
+        // SAFETY: `raw` is a live loaded executable owned by this object.
+        let _ = check(unsafe { ffi::pw_exe_destroy(self.client.api(), self.raw) });
+    }
+}
+
+impl Executable {
+    /// Takes ownership of `raw` and checks that it is loaded on exactly `device`.
+    fn from_raw(client: &Arc<ClientInner>, raw: ffi::Handle, device: usize) -> Result<Executable> {
+        let mut e = Executable {
+            client: client.clone(),
+            raw,
+            num_outputs: 0,
+            device,
+        };
+        let (mut devs, mut n) = (ptr::null(), 0usize);
+        // SAFETY: `raw` is a live executable; the device array lives as long as it does.
+        let devs: &[ffi::Handle] = unsafe {
+            check(ffi::pw_exe_info(
+                client.api(),
+                raw,
+                &mut e.num_outputs,
+                &mut devs,
+                &mut n,
+            ))?;
+            slice(devs, n)
+        };
+        let got = devs
+            .iter()
+            .map(|d| client.device_index(*d))
+            .collect::<Result<Vec<_>>>()?;
+        if got != [device] {
+            let msg = format!("executable was loaded on devices {got:?}, expected [{device}]");
+            return Err(Error::new(code::INTERNAL, msg));
+        }
+        Ok(e)
+    }
+
+    pub fn num_outputs(&self) -> usize {
+        self.num_outputs
+    }
+
+    /// Index of the device the executable runs on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Enqueues one run on the executable's device and returns the outputs
+    /// without waiting; a failure of the computation itself surfaces through
+    /// [`Buffer::ready`] / [`Buffer::to_host`] of the outputs.
+    pub fn execute(&self, inputs: &[&Buffer]) -> Result<Vec<Buffer>> {
+        for (i, b) in inputs.iter().enumerate() {
+            if !Arc::ptr_eq(&b.client, &self.client) {
+                return Err(invalid(format!("input {i} belongs to another client")));
+            }
+            if b.device != self.device {
+                let msg = format!(
+                    "input {i} is on device {}, executable on {}",
+                    b.device, self.device
+                );
+                return Err(invalid(msg));
+            }
+        }
+        let args: Vec<ffi::Handle> = inputs.iter().map(|b| b.raw).collect();
+        let mut outs: Vec<ffi::Handle> = vec![ptr::null_mut(); self.num_outputs];
+        let (api, a, o) = (self.client.api(), args.as_ptr(), outs.as_mut_ptr());
+        // SAFETY: `args` are live buffers (borrowed by `inputs`) for the call;
+        // `outs` has room for num_outputs handles, which PJRT fills on success.
+        check(unsafe { ffi::pw_exe_execute(api, self.raw, a, args.len(), o) })?;
+        // Own every output first so that all are destroyed if one fails below.
+        let mut bufs: Vec<Buffer> = outs
+            .into_iter()
+            .map(|raw| Buffer::wrap(&self.client, raw))
+            .collect();
+        for b in &mut bufs {
+            b.load_metadata()?;
+        }
+        Ok(bufs)
+    }
+
+    /// Serializes the compiled executable (PJRT_Executable_Serialize).
+    pub fn serialize(&self) -> Result<Vec<u8>> {
+        // SAFETY: `raw` is a live executable; out pointers come from `malloced`.
+        malloced(|p, n| unsafe { ffi::pw_exe_serialize(self.client.api(), self.raw, p, n) })
+    }
+
+    /// The plugin's fingerprint of the compiled executable (PJRT_Executable_Fingerprint).
+    pub fn fingerprint(&self) -> Result<String> {
+        // SAFETY: `raw` is a live executable; out pointers come from `malloced`.
+        let v =
+            malloced(|p, n| unsafe { ffi::pw_exe_fingerprint(self.client.api(), self.raw, p, n) })?;
+        Ok(String::from_utf8_lossy(&v).into_owned())
+    }
+}
+
+// ------------------------------------------------------------ find_plugin --
+
+/// The alphabetically first `*.so` file directly in `dir`.
+fn first_so_in(dir: &Path) -> Option<PathBuf> {
+    let rd = std::fs::read_dir(dir).ok()?;
+    let mut found: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    found.retain(|p| p.extension().is_some_and(|x| x == "so") && p.is_file());
+    found.sort();
+    found.into_iter().next()
+}
+
+/// Locates a PJRT plugin.
+///
+/// `TORCH_PJRT_PLUGIN` (path to the .so) wins if set. Otherwise the python
+/// site-packages directories `search_dirs`, then those in
+/// `TORCH_PJRT_SITE_PACKAGES` (path-list separated), are searched in priority
+/// order: libtpu (only if `/dev/accel*` or `/dev/vfio` exists), an XLA CUDA
+/// plugin (only if `/dev/nvidia0` exists), then the `xla-cpu-pjrt` plugin.
+pub fn find_plugin(search_dirs: &[PathBuf]) -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os("TORCH_PJRT_PLUGIN").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        if p.is_file() {
+            return Ok(p);
+        }
+        let msg = format!("TORCH_PJRT_PLUGIN={} does not exist", p.display());
+        return Err(Error::new(code::NOT_FOUND, msg));
+    }
+    let mut dirs = search_dirs.to_vec();
+    if let Some(v) = std::env::var_os("TORCH_PJRT_SITE_PACKAGES") {
+        dirs.extend(std::env::split_paths(&v).filter(|p| !p.as_os_str().is_empty()));
+    }
+    let accel = |rd: std::fs::ReadDir| {
+        rd.flatten()
+            .any(|e| e.file_name().to_string_lossy().starts_with("accel"))
+    };
+    let has_tpu = Path::new("/dev/vfio").exists() || std::fs::read_dir("/dev").is_ok_and(accel);
+    // (path relative to site-packages, whether it is a directory holding a *.so)
+    let mut candidates: Vec<(&str, bool)> = vec![];
+    if has_tpu {
+        candidates.push(("libtpu/libtpu.so", false));
+    }
+    if Path::new("/dev/nvidia0").exists() {
+        candidates.extend([
+            ("xla_plugins/xla_cuda13_pjrt", true),
+            ("xla_plugins/xla_cuda12_pjrt", true),
+            ("jax_plugins/xla_cuda13/xla_cuda_plugin.so", false),
+            ("jax_plugins/xla_cuda12/xla_cuda_plugin.so", false),
+        ]);
+    }
+    candidates.push(("xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so", false));
+    for (rel, is_dir) in candidates {
+        for d in &dirs {
+            let p = d.join(rel);
+            let hit = if is_dir {
+                first_so_in(&p)
+            } else {
+                Some(p).filter(|p| p.is_file())
+            };
+            if let Some(p) = hit {
+                return Ok(p);
+            }
+        }
+    }
+    Err(Error::new(
+        code::NOT_FOUND,
+        "no PJRT plugin found; install one: pip install xla-cpu-pjrt (CPU), \
+         or set TORCH_PJRT_PLUGIN=/path/to/plugin.so",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn element_type_codes_roundtrip() {
+        for t in ElementType::ALL {
+            assert_eq!(ElementType::from_pjrt(t.to_pjrt()), Some(t));
+        }
+        assert_eq!(
+            (ElementType::F32.to_pjrt(), ElementType::BF16.to_pjrt()),
+            (11, 13)
+        );
+        assert_eq!(
+            (ElementType::from_pjrt(0), ElementType::from_pjrt(14)),
+            (None, None)
+        );
+    }
+
+    #[test]
+    fn compile_options_encoding() {
+        let expected = [
+            0x1a, 16, 0x08, 1, 0x20, 1, 0x28, 1, 0x4a, 8, 0x08, 1, 0x10, 1, 0x1a, 2, 0x08, 1,
+        ];
+        assert_eq!(compile_options(1, 1), expected);
+    }
+}

@@ -1,0 +1,256 @@
+//! End-to-end tests against the CPU plugin from the `xla-cpu-pjrt` wheel.
+//! The plugin path comes from TORCH_PJRT_PLUGIN or the workspace `.venv`.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use pjrt::{Buffer, Client, ElementType, Plugin};
+
+const ADD: &str = "module {
+  func.func public @main(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {
+    %0 = stablehlo.add %a, %b : tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+}";
+
+fn plugin_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("TORCH_PJRT_PLUGIN") {
+        return PathBuf::from(p);
+    }
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../.venv/lib");
+    let py = std::fs::read_dir(&venv)
+        .ok()
+        .and_then(|rd| {
+            rd.filter_map(|e| e.ok())
+                .find(|e| e.file_name().to_string_lossy().starts_with("python"))
+        })
+        .map(|e| e.path())
+        .unwrap_or_else(|| venv.join("python3.11"));
+    py.join("site-packages/xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so")
+}
+
+fn client() -> Arc<Client> {
+    static C: OnceLock<Arc<Client>> = OnceLock::new();
+    C.get_or_init(|| {
+        let plugin = Plugin::load(&plugin_path()).expect("load CPU plugin");
+        Client::new(plugin).expect("create client")
+    })
+    .clone()
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+fn to_f32(b: &Buffer) -> Vec<f32> {
+    let bytes = b.to_host_vec().expect("to_host");
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn upload(c: &Client, v: &[f32], device: usize) -> Buffer {
+    c.buffer_from_host(&f32_bytes(v), ElementType::F32, &[v.len() as i64], device)
+        .expect("upload")
+}
+
+#[test]
+fn client_info() {
+    let c = client();
+    let (major, minor) = c.plugin().api_version();
+    assert_eq!(major, 0);
+    assert!(minor > 0);
+    assert_eq!(c.platform_name(), "cpu");
+    assert!(c.num_devices() >= 2, "expected several CPU devices");
+    assert!(!c.device_kind(0).is_empty());
+    assert_eq!(c.device_kind(usize::MAX), "");
+    eprintln!(
+        "plugin api {major}.{minor}, platform {} {:?}, {} devices, kind {:?}",
+        c.platform_name(),
+        c.platform_version(),
+        c.num_devices(),
+        c.device_kind(0)
+    );
+}
+
+#[test]
+fn add_roundtrip_and_latency() {
+    let c = client();
+    let t = Instant::now();
+    let exe = c.compile(ADD, 0).expect("compile");
+    let compile = t.elapsed();
+    assert_eq!(exe.num_outputs(), 1);
+    assert_eq!(exe.device(), 0);
+    let a = upload(&c, &[1.0, 2.0, 3.0, 4.0], 0);
+    let b = upload(&c, &[10.0, 20.0, 30.0, 40.0], 0);
+    assert_eq!(a.dims(), vec![4]);
+    assert_eq!(a.element_type(), ElementType::F32);
+    assert_eq!(a.device(), 0);
+    assert!(a.on_device_size_in_bytes().unwrap() >= 16);
+    let out = exe.execute(&[&a, &b]).expect("execute");
+    assert_eq!(out.len(), 1);
+    out[0].ready().expect("ready");
+    assert!(out[0].is_ready_nonblocking().unwrap());
+    assert_eq!(out[0].dims(), vec![4]);
+    assert_eq!(out[0].element_type(), ElementType::F32);
+    assert_eq!(to_f32(&out[0]), vec![11.0, 22.0, 33.0, 44.0]);
+
+    // Warm execute latency (enqueue + wait) and full round trip.
+    let n = 200;
+    let t = Instant::now();
+    for _ in 0..n {
+        let o = exe.execute(&[&a, &b]).unwrap();
+        o[0].ready().unwrap();
+    }
+    let exec = t.elapsed() / n;
+    let t = Instant::now();
+    for _ in 0..n {
+        let x = upload(&c, &[1.0, 2.0, 3.0, 4.0], 0);
+        let o = exe.execute(&[&x, &b]).unwrap();
+        let _ = to_f32(&o[0]);
+    }
+    let roundtrip = t.elapsed() / n;
+    eprintln!("compile {compile:?}; execute+ready {exec:?}; upload+execute+to_host {roundtrip:?}");
+}
+
+#[test]
+fn upload_validates_size_and_device() {
+    let c = client();
+    let e = c
+        .buffer_from_host(&[0u8; 12], ElementType::F32, &[4], 0)
+        .unwrap_err();
+    assert_eq!(e.code, pjrt::code::INVALID_ARGUMENT);
+    let e = c
+        .buffer_from_host(&[0u8; 16], ElementType::F32, &[4], 999)
+        .unwrap_err();
+    assert!(e.message.contains("out of range"), "{e}");
+    // Scalars and other types.
+    let s = c
+        .buffer_from_host(&7i64.to_le_bytes(), ElementType::S64, &[], 0)
+        .unwrap();
+    assert_eq!(s.dims(), Vec::<i64>::new());
+    assert_eq!(s.to_host_vec().unwrap(), 7i64.to_le_bytes());
+    let mut small = [0u8; 4];
+    assert!(s.to_host(&mut small).is_err());
+}
+
+#[test]
+fn bad_mlir_is_an_error() {
+    let c = client();
+    let e = c.compile("module { this is not mlir }", 0).unwrap_err();
+    assert!(e.code != 0 && !e.message.is_empty(), "{e}");
+    eprintln!("compile error: {e}");
+}
+
+#[test]
+fn wrong_input_count_is_an_error() {
+    let c = client();
+    let exe = c.compile(ADD, 0).unwrap();
+    let a = upload(&c, &[1.0; 4], 0);
+    let e = exe.execute(&[&a]).unwrap_err();
+    assert!(!e.message.is_empty());
+    eprintln!("wrong input count: {e}");
+}
+
+#[test]
+fn input_on_wrong_device_is_an_error() {
+    let c = client();
+    let exe = c.compile(ADD, 0).unwrap();
+    let a = upload(&c, &[1.0; 4], 0);
+    let b = upload(&c, &[1.0; 4], 1);
+    assert!(exe.execute(&[&a, &b]).is_err());
+}
+
+#[test]
+fn device_1_compile_and_run() {
+    let c = client();
+    let exe = c.compile(ADD, 1).expect("compile for device 1");
+    assert_eq!(exe.device(), 1);
+    let a = upload(&c, &[1.0, 2.0, 3.0, 4.0], 1);
+    let b = upload(&c, &[1.0, 1.0, 1.0, 1.0], 1);
+    assert_eq!(a.device(), 1);
+    let out = exe.execute(&[&a, &b]).expect("execute on device 1");
+    assert_eq!(out[0].device(), 1);
+    assert_eq!(to_f32(&out[0]), vec![2.0, 3.0, 4.0, 5.0]);
+}
+
+#[test]
+fn serialize_deserialize_roundtrip() {
+    let c = client();
+    let exe = c.compile(ADD, 0).unwrap();
+    match exe.fingerprint() {
+        Ok(f) => eprintln!("fingerprint: {f:?}"),
+        Err(e) => eprintln!("fingerprint unavailable: {e}"),
+    }
+    let bytes = exe.serialize().expect("serialize");
+    assert!(!bytes.is_empty());
+    eprintln!("serialized executable: {} bytes", bytes.len());
+    for dev in [0, 1] {
+        let t = Instant::now();
+        let exe2 = c.deserialize(&bytes, dev).expect("deserialize");
+        eprintln!("deserialize onto device {dev}: {:?}", t.elapsed());
+        assert_eq!(exe2.num_outputs(), 1);
+        assert_eq!(exe2.device(), dev);
+        let a = upload(&c, &[1.0, 2.0, 3.0, 4.0], dev);
+        let b = upload(&c, &[4.0, 3.0, 2.0, 1.0], dev);
+        let out = exe2.execute(&[&a, &b]).unwrap();
+        assert_eq!(out[0].device(), dev);
+        assert_eq!(to_f32(&out[0]), vec![5.0; 4]);
+    }
+    assert!(c.deserialize(b"garbage", 0).is_err());
+}
+
+#[test]
+fn multiple_outputs_and_threads() {
+    let c = client();
+    let src = "module {
+  func.func public @main(%a: tensor<2x3xf32>) -> (tensor<2x3xf32>, tensor<3x2xf32>) {
+    %0 = stablehlo.multiply %a, %a : tensor<2x3xf32>
+    %1 = stablehlo.transpose %a, dims = [1, 0] : (tensor<2x3xf32>) -> tensor<3x2xf32>
+    return %0, %1 : tensor<2x3xf32>, tensor<3x2xf32>
+  }
+}";
+    let exe = Arc::new(c.compile(src, 0).unwrap());
+    assert_eq!(exe.num_outputs(), 2);
+    let handles: Vec<_> = (0..4)
+        .map(|k| {
+            let (c, exe) = (c.clone(), exe.clone());
+            std::thread::spawn(move || {
+                let v: Vec<f32> = (0..6).map(|i| (i + k) as f32).collect();
+                let a = c
+                    .buffer_from_host(&f32_bytes(&v), ElementType::F32, &[2, 3], 0)
+                    .unwrap();
+                let out = exe.execute(&[&a]).unwrap();
+                assert_eq!(out[0].dims(), vec![2, 3]);
+                assert_eq!(out[1].dims(), vec![3, 2]);
+                assert_eq!(to_f32(&out[0]), v.iter().map(|x| x * x).collect::<Vec<_>>());
+                let t = to_f32(&out[1]);
+                assert_eq!(t, vec![v[0], v[3], v[1], v[4], v[2], v[5]]);
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+#[test]
+fn plugin_load_errors() {
+    let e = Plugin::load(std::path::Path::new("/nonexistent/plugin.so")).unwrap_err();
+    assert!(e.message.contains("does not exist"));
+    // A real shared library that is not a PJRT plugin.
+    let libc = [
+        "/lib/x86_64-linux-gnu/libc.so.6",
+        "/lib/aarch64-linux-gnu/libc.so.6",
+        "/usr/lib/libc.so.6",
+    ]
+    .iter()
+    .map(std::path::Path::new)
+    .find(|p| p.exists());
+    if let Some(p) = libc {
+        let e = Plugin::load(p).unwrap_err();
+        assert!(e.message.contains("GetPjrtApi"), "{e}");
+    }
+}

@@ -1,0 +1,166 @@
+//! Copies between host and device (`_copy_from`, `.item()`), built on the op path.
+
+use std::sync::Arc;
+
+use crate::exec::{dispatch, Loc, Outcome, Param, RArg, Ret, TensorRef};
+use crate::layout::View;
+use crate::storage::Storage;
+use crate::{host, Error, Result, Runtime};
+use stablehlo::DType;
+
+fn p(name: &str, arg: RArg, out: bool) -> Param {
+    Param { name: name.into(), arg, is_write: out, is_out: out }
+}
+
+fn dims_arg(sizes: &[i64]) -> RArg {
+    RArg::List(sizes.iter().map(|s| RArg::Int(*s)).collect())
+}
+
+fn dtype_of(t: &TensorRef) -> Result<DType> {
+    t.dtype.ok_or_else(|| Error::new(crate::ErrorKind::NotImplemented, "copy of a dtype the tpu device does not support"))
+}
+
+/// `dst.copy_(src)`: any mix of host and device, with dtype conversion and broadcasting.
+pub fn copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
+    let (sdt, ddt) = (dtype_of(src)?, dtype_of(dst)?);
+    if dst.view.numel() == 0 {
+        return Ok(());
+    }
+    match (src.loc, dst.loc) {
+        (Loc::Host(sp), Loc::Device(dp)) => {
+            // SAFETY: handles from the shim point at live storages.
+            let storage = unsafe { &*dp };
+            let n = dst.nbytes / ddt.size() as i64;
+            if sdt == ddt && src.view.sizes == dst.view.sizes && dst.view.is_whole(n) {
+                // SAFETY: PyTorch keeps the source alive; its view lies in its storage.
+                let bytes = unsafe { host::read(sp, &src.view, sdt.size()) };
+                let buf = rt.upload(&bytes, ddt, &[n], dst.device)?;
+                storage.set(Arc::new(buf), ddt);
+                return Ok(());
+            }
+            device_copy(rt, src, dst)
+        }
+        (Loc::Device(_), Loc::Device(_)) => device_copy(rt, src, dst),
+        (Loc::Device(sp), Loc::Host(dp)) => {
+            // SAFETY: as above.
+            let storage = unsafe { &*sp };
+            let n = src.nbytes / sdt.size() as i64;
+            let bytes = if sdt == ddt && src.view.sizes == dst.view.sizes && src.view.is_whole(n) {
+                let buf = storage.buffer_as(rt, sdt)?;
+                rt.download(&buf)?
+            } else {
+                let buf = converted(rt, src, ddt, &dst.view.sizes)?;
+                rt.download(&buf)?
+            };
+            // SAFETY: the destination CPU tensor is alive and its view lies in its storage.
+            unsafe { host::write(dp, &dst.view, ddt.size(), &bytes) };
+            Ok(())
+        }
+        (Loc::Host(_), Loc::Host(_)) => Err(Error::runtime("copy between two CPU tensors reached the tpu backend")),
+    }
+}
+
+fn device_copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
+    let ddt = dtype_of(dst)?;
+    let params = [
+        p("self", RArg::Tensor(src.clone()), false),
+        p("dtype", RArg::ScalarType(Some(ddt)), false),
+        p("size", dims_arg(&dst.view.sizes), false),
+        p("out", RArg::Tensor(dst.clone()), true),
+    ];
+    match dispatch(rt, "torch_pjrt::copy", "", &params)? {
+        Outcome::Done(_) => Ok(()),
+        Outcome::Declined(w) => Err(Error::runtime(format!("copy failed: {w}"))),
+        Outcome::Resize(_) => Err(Error::runtime("copy: destination has the wrong shape")),
+    }
+}
+
+/// `src` converted to `dtype` and broadcast to `sizes`, as a new contiguous device buffer.
+fn converted(rt: &Runtime, src: &TensorRef, dtype: DType, sizes: &[i64]) -> Result<Arc<pjrt::Buffer>> {
+    let params = [
+        p("self", RArg::Tensor(src.clone()), false),
+        p("dtype", RArg::ScalarType(Some(dtype)), false),
+        p("size", dims_arg(sizes), false),
+    ];
+    match dispatch(rt, "torch_pjrt::copy", "", &params)? {
+        Outcome::Done(rets) => match rets.into_iter().next() {
+            Some(Ret::Tensor { handle, .. }) => {
+                // SAFETY: dispatch returns a fresh Box<Storage> that we own.
+                let s = unsafe { Box::from_raw(handle) };
+                let (buf, _) = s.current().ok_or_else(|| Error::runtime("copy produced no buffer"))?;
+                Ok(buf)
+            }
+            _ => Err(Error::runtime("copy produced no tensor")),
+        },
+        Outcome::Declined(w) => Err(Error::runtime(format!("copy failed: {w}"))),
+        Outcome::Resize(_) => Err(Error::runtime("copy: unexpected resize")),
+    }
+}
+
+/// A scalar read back to the host (`.item()`).
+pub enum Item {
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+}
+
+pub fn item(rt: &Runtime, t: &TensorRef) -> Result<Item> {
+    let dt = dtype_of(t)?;
+    if t.view.numel() != 1 {
+        return Err(Error::runtime(format!(
+            "a Tensor with {} elements cannot be converted to Scalar",
+            t.view.numel()
+        )));
+    }
+    let mut bytes = [0u8; 8];
+    let dst = TensorRef {
+        loc: Loc::Host(bytes.as_mut_ptr()),
+        dtype: Some(dt),
+        view: View { sizes: t.view.sizes.clone(), strides: vec![0; t.view.sizes.len()], offset: 0 },
+        nbytes: dt.size() as i64,
+        wrapped: false,
+        device: 0,
+    };
+    copy(rt, t, &dst)?;
+    let b = bytes;
+    Ok(match dt {
+        DType::Bool => Item::Bool(b[0] != 0),
+        DType::U8 => Item::Int(b[0] as i64),
+        DType::I8 => Item::Int(b[0] as i8 as i64),
+        DType::I16 => Item::Int(i16::from_le_bytes([b[0], b[1]]) as i64),
+        DType::I32 => Item::Int(i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64),
+        DType::I64 => Item::Int(i64::from_le_bytes(b)),
+        DType::U32 => Item::Int(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64),
+        DType::U64 => Item::Int(u64::from_le_bytes(b) as i64),
+        DType::F16 => Item::Float(half_to_f64(u16::from_le_bytes([b[0], b[1]]))),
+        DType::BF16 => Item::Float(f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64),
+        DType::F32 => Item::Float(f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64),
+        DType::F64 => Item::Float(f64::from_le_bytes(b)),
+    })
+}
+
+fn half_to_f64(h: u16) -> f64 {
+    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let exp = ((h >> 10) & 0x1f) as i32;
+    let frac = (h & 0x3ff) as f64;
+    sign * match exp {
+        0 => frac * 2f64.powi(-24),
+        31 => {
+            if frac == 0.0 {
+                f64::INFINITY
+            } else {
+                f64::NAN
+            }
+        }
+        e => (1.0 + frac / 1024.0) * 2f64.powi(e - 15),
+    }
+}
+
+/// Allocator `copy_data`: raw bytes between two storages.
+pub fn storage_copy(rt: &Runtime, dst: &Storage, src: &Storage, nbytes: i64) -> Result<()> {
+    let mut bytes = src.bytes(rt)?;
+    bytes.truncate(nbytes as usize);
+    let mut d = dst.bytes(rt)?;
+    d[..bytes.len()].copy_from_slice(&bytes);
+    dst.set_bytes(rt, &d)
+}

@@ -1,0 +1,625 @@
+//! Running one op: key -> cached program (or lower + compile) -> execute -> write back.
+//!
+//! The shim hands every op over as (name, overload, schema-named arguments). `.out` and
+//! in-place variants use the functional rule; this module reads views out of storages,
+//! writes results into `out=`/`self` (through their views), and returns new tensors.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::Arc;
+use std::time::Instant;
+
+use lowering::promote::{can_cast, torch_name};
+use lowering::shape::shape_str;
+use lowering::{Arg, Args, Ctx, LowerError, Out, TensorArg};
+use stablehlo::{Builder, DType, TensorType, Value};
+
+use crate::layout::{self, View};
+use crate::storage::Storage;
+use crate::{host, Error, Result, Runtime};
+
+/// Where a tensor's elements are.
+#[derive(Clone, Copy, Debug)]
+pub enum Loc {
+    Device(*const Storage),
+    Host(*mut u8),
+}
+
+#[derive(Clone, Debug)]
+pub struct TensorRef {
+    pub loc: Loc,
+    /// None for dtypes the device does not support (complex, quantized, ...).
+    pub dtype: Option<DType>,
+    pub view: View,
+    pub nbytes: i64,
+    pub wrapped: bool,
+    pub device: usize,
+}
+
+impl TensorRef {
+    fn storage(&self) -> Option<&Storage> {
+        match self.loc {
+            // SAFETY: the shim passes handles of storages that PyTorch keeps alive for
+            // the duration of the call.
+            Loc::Device(p) => Some(unsafe { &*p }),
+            Loc::Host(_) => None,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub enum RArg {
+    None,
+    Tensor(TensorRef),
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    Str(String),
+    /// None when the dtype is not one the device supports.
+    ScalarType(Option<DType>),
+    List(Vec<RArg>),
+    /// Points at the generator's [seed, offset].
+    Generator(*mut i64),
+    Other(String),
+}
+
+#[derive(Clone, Debug)]
+pub struct Param {
+    pub name: String,
+    pub arg: RArg,
+    pub is_write: bool,
+    pub is_out: bool,
+}
+
+#[derive(Debug)]
+pub enum Ret {
+    /// A new tensor; the handle is a `Box<Storage>` the caller now owns.
+    Tensor { handle: *mut Storage, dtype: DType, sizes: Vec<i64>, device: usize },
+    Alias(usize),
+    AliasElem(usize, usize),
+    List(usize),
+    Int(i64),
+    Float(f64),
+    Bool(bool),
+    None,
+}
+
+#[derive(Debug)]
+pub enum Outcome {
+    Done(Vec<Ret>),
+    Declined(String),
+    /// out= arguments (index, sizes) that must be resized before calling again.
+    Resize(Vec<(usize, Vec<i64>)>),
+}
+
+/// A tensor argument's position: (param index, list element).
+type Path = (usize, Option<usize>);
+
+enum Input {
+    Storage { path: Path, dtype: DType },
+    Host { path: Path, dtype: DType },
+    Rng { path: Option<Path> },
+}
+
+enum Output {
+    New { dtype: DType, sizes: Vec<i64> },
+    Write { path: Path, dtype: DType },
+}
+
+#[derive(Clone, Copy)]
+enum RetShape {
+    T,
+    List(usize),
+    None,
+}
+
+/// A compiled op with its input/output plan.
+pub struct Program {
+    exe: pjrt::Executable,
+    inputs: Vec<Input>,
+    outputs: Vec<Output>,
+    rets: Vec<RetShape>,
+    rng_consumed: u64,
+}
+
+fn tensors(params: &[Param]) -> Vec<(Path, &TensorRef)> {
+    let mut v = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        match &p.arg {
+            RArg::Tensor(t) => v.push(((i, None), t)),
+            RArg::List(items) => {
+                for (j, a) in items.iter().enumerate() {
+                    if let RArg::Tensor(t) = a {
+                        v.push(((i, Some(j)), t));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    v
+}
+
+fn tensor_at(params: &[Param], path: Path) -> &TensorRef {
+    let a = &params[path.0].arg;
+    let a = match (a, path.1) {
+        (RArg::List(items), Some(j)) => &items[j],
+        (a, _) => a,
+    };
+    match a {
+        RArg::Tensor(t) => t,
+        _ => unreachable!("program plan points at a non-tensor"),
+    }
+}
+
+fn dt_name(d: Option<DType>) -> String {
+    d.map(|d| format!("{d:?}")).unwrap_or_else(|| "?".into())
+}
+
+/// The cache key: everything the compiled program depends on, nothing it does not.
+fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> String {
+    let mut k = String::with_capacity(256);
+    let _ = write!(k, "{op}.{overload}@{device}");
+    let mut slots: Vec<*const Storage> = Vec::new();
+    fn arg(k: &mut String, a: &RArg, slots: &mut Vec<*const Storage>) {
+        match a {
+            RArg::None => k.push('N'),
+            RArg::Tensor(t) => {
+                let _ = write!(
+                    k,
+                    "T{}{:?}{:?}+{}n{}w{}",
+                    dt_name(t.dtype),
+                    t.view.sizes,
+                    t.view.strides,
+                    t.view.offset,
+                    t.nbytes,
+                    t.wrapped as u8
+                );
+                match t.loc {
+                    Loc::Host(_) => k.push('h'),
+                    Loc::Device(p) => {
+                        let s = slots.iter().position(|q| *q == p).unwrap_or_else(|| {
+                            slots.push(p);
+                            slots.len() - 1
+                        });
+                        let _ = write!(k, "s{s}");
+                    }
+                }
+            }
+            RArg::Int(i) => {
+                let _ = write!(k, "i{i}");
+            }
+            RArg::Float(f) => {
+                let _ = write!(k, "f{:x}", f.to_bits());
+            }
+            RArg::Bool(b) => {
+                let _ = write!(k, "b{}", *b as u8);
+            }
+            RArg::Str(s) => {
+                let _ = write!(k, "s'{s}'");
+            }
+            RArg::ScalarType(d) => {
+                let _ = write!(k, "d{}", dt_name(*d));
+            }
+            RArg::List(items) => {
+                k.push('[');
+                for a in items {
+                    arg(k, a, slots);
+                    k.push(',');
+                }
+                k.push(']');
+            }
+            RArg::Generator(_) => k.push('G'),
+            RArg::Other(s) => {
+                let _ = write!(k, "o{s}");
+            }
+        }
+    }
+    for p in params {
+        k.push('|');
+        k.push_str(&p.name);
+        k.push(':');
+        arg(&mut k, &p.arg, &mut slots);
+    }
+    k
+}
+
+/// How the op's results reach PyTorch.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    Functional,
+    Out,
+    Inplace,
+}
+
+fn variant(op: &str, params: &[Param]) -> Variant {
+    if params.iter().any(|p| p.is_out) {
+        Variant::Out
+    } else if op.ends_with('_') && params.first().map(|p| p.is_write).unwrap_or(false) {
+        Variant::Inplace
+    } else {
+        Variant::Functional
+    }
+}
+
+/// Runs one op.
+pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Result<Outcome> {
+    let var = variant(op, params);
+    // Mutated arguments other than out=/self are not modelled by the rules.
+    let odd_write = params.iter().enumerate().any(|(i, p)| {
+        p.is_write && !p.is_out && !(var == Variant::Inplace && i == 0)
+    });
+    if odd_write {
+        return Ok(Outcome::Declined(format!("{op} mutates an argument the rules do not model")));
+    }
+    for p in params {
+        if let RArg::Other(what) = &p.arg {
+            return Ok(Outcome::Declined(format!("argument '{}' of type {what}", p.name)));
+        }
+    }
+    let ts = tensors(params);
+    if let Some((_, t)) = ts.iter().find(|(_, t)| t.dtype.is_none()) {
+        let _ = t;
+        return Ok(Outcome::Declined(format!("{op}: unsupported dtype")));
+    }
+    let device = ts
+        .iter()
+        .find(|(_, t)| matches!(t.loc, Loc::Device(_)))
+        .map(|(_, t)| t.device)
+        .unwrap_or(0);
+    let k = key(op, overload, device, params);
+    let prog = match rt.cache.get(&k) {
+        Some(p) => {
+            rt.metrics.cache_hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            p
+        }
+        None => {
+            rt.metrics.cache_misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            match build(rt, op, overload, device, params, var)? {
+                Built::Program(p) => {
+                    let p = Arc::new(p);
+                    rt.cache.insert(k, p.clone());
+                    p
+                }
+                Built::Declined(why) => return Ok(Outcome::Declined(why)),
+                Built::Resize(r) => return Ok(Outcome::Resize(r)),
+            }
+        }
+    };
+    let new = execute(rt, &prog, params)?;
+    rt.metrics.native(op);
+    Ok(Outcome::Done(returns(&prog, params, var, new)))
+}
+
+fn returns(prog: &Program, params: &[Param], var: Variant, new: Vec<Ret>) -> Vec<Ret> {
+    match var {
+        Variant::Functional => {
+            let mut it = new.into_iter();
+            let mut rets = Vec::new();
+            for r in &prog.rets {
+                match r {
+                    RetShape::T => rets.extend(it.next()),
+                    RetShape::List(n) => {
+                        rets.push(Ret::List(*n));
+                        rets.extend(it.by_ref().take(*n));
+                    }
+                    RetShape::None => rets.push(Ret::None),
+                }
+            }
+            rets
+        }
+        Variant::Out => params
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| p.is_out && matches!(p.arg, RArg::Tensor(_)))
+            .map(|(i, _)| Ret::Alias(i))
+            .collect(),
+        Variant::Inplace => match params[0].arg {
+            RArg::Tensor(_) => vec![Ret::Alias(0)],
+            _ => vec![],
+        },
+    }
+}
+
+enum Built {
+    Program(Program),
+    Declined(String),
+    Resize(Vec<(usize, Vec<i64>)>),
+}
+
+/// One storage used by the program: its current flat value and element type.
+struct Slot {
+    ptr: *const Storage,
+    dtype: DType,
+    n: i64,
+    value: Option<Value>,
+    dirty_path: Option<Path>,
+}
+
+fn user(e: LowerError) -> std::result::Result<String, Error> {
+    match e {
+        LowerError::Declined(w) => Ok(w),
+        LowerError::User(kind, msg) => Err(Error::new(kind, msg)),
+    }
+}
+
+fn build(
+    rt: &Runtime,
+    op: &str,
+    overload: &str,
+    device: usize,
+    params: &[Param],
+    var: Variant,
+) -> Result<Built> {
+    let rule = match lowering::find_rule(op) {
+        Some(r) => r,
+        None if var == Variant::Inplace => match lowering::find_rule(op.trim_end_matches('_')) {
+            Some(r) => r,
+            None => return Ok(Built::Declined(format!("no lowering rule for {op}"))),
+        },
+        None => return Ok(Built::Declined(format!("no lowering rule for {op}"))),
+    };
+    let mut b = Builder::new();
+    let mut inputs = Vec::new();
+    let mut slots: Vec<Slot> = Vec::new();
+    let mut values: HashMap<Path, Value> = HashMap::new();
+    for (path, t) in tensors(params) {
+        if params[path.0].is_out {
+            continue;
+        }
+        let dtype = t.dtype.expect("checked");
+        match t.loc {
+            Loc::Host(_) => {
+                let v = b.param(TensorType::new(dtype, &t.view.sizes));
+                inputs.push(Input::Host { path, dtype });
+                values.insert(path, v);
+            }
+            Loc::Device(p) => {
+                if t.device != device {
+                    return Err(Error::runtime(format!(
+                        "Expected all tensors to be on the same device, but found at least two devices, tpu:{} and tpu:{}!",
+                        device, t.device
+                    )));
+                }
+                let si = match slots.iter().position(|s| s.ptr == p) {
+                    Some(i) => i,
+                    None => {
+                        let n = t.nbytes / dtype.size() as i64;
+                        let flat = b.param(TensorType::new(dtype, &[n]));
+                        inputs.push(Input::Storage { path, dtype });
+                        slots.push(Slot { ptr: p, dtype, n, value: Some(flat), dirty_path: None });
+                        slots.len() - 1
+                    }
+                };
+                if slots[si].dtype != dtype {
+                    return Ok(Built::Declined("one storage read as two dtypes".into()));
+                }
+                let flat = slots[si].value.expect("read slot has a value");
+                values.insert(path, layout::read(&mut b, flat, &t.view));
+            }
+        }
+    }
+    // Arguments for the rule, out= excluded.
+    let mut args = Args::default();
+    let mut gen_path = None;
+    for (i, p) in params.iter().enumerate() {
+        if p.is_out {
+            continue;
+        }
+        if let RArg::Generator(_) = p.arg {
+            gen_path = Some((i, None));
+        }
+        args.items.push((p.name.clone(), to_arg(&p.arg, i, None, &values)));
+    }
+    let mut ctx = Ctx::new(&mut b, op, overload, &args);
+    let outs = match rule(&mut ctx) {
+        Ok(o) => o,
+        Err(e) => return Ok(Built::Declined(user(e)?)),
+    };
+    let rng_state = ctx.rng_state;
+    let rng_consumed = ctx.rng_consumed;
+    if rng_state.is_some() {
+        inputs.push(Input::Rng { path: gen_path });
+    }
+    // Results: new tensors, or writes into out=/self.
+    let mut outputs = Vec::new();
+    let mut results = Vec::new();
+    let mut rets = Vec::new();
+    let targets: Vec<Path> = match var {
+        Variant::Functional => vec![],
+        Variant::Out => tensors(params).into_iter().filter(|(p, _)| params[p.0].is_out).map(|(p, _)| p).collect(),
+        Variant::Inplace => tensors(params).into_iter().filter(|(p, _)| p.0 == 0).map(|(p, _)| p).collect(),
+    };
+    let flat_outs: Vec<Option<Value>> = outs
+        .iter()
+        .flat_map(|o| match o {
+            Out::T(v) => vec![Some(*v)],
+            Out::List(vs) => vs.iter().map(|v| Some(*v)).collect(),
+            Out::None => vec![None],
+        })
+        .collect();
+    if var == Variant::Functional {
+        for o in &outs {
+            rets.push(match o {
+                Out::T(_) => RetShape::T,
+                Out::List(v) => RetShape::List(v.len()),
+                Out::None => RetShape::None,
+            });
+        }
+        for v in flat_outs.into_iter().flatten() {
+            let ty = b.ty(v).clone();
+            let flat = b.reshape(v, &[ty.numel()]);
+            results.push(flat);
+            outputs.push(Output::New { dtype: ty.dtype, sizes: ty.shape });
+        }
+    } else {
+        if flat_outs.len() < targets.len() {
+            return Ok(Built::Declined(format!("{op}: rule returned fewer results than outputs")));
+        }
+        let mut resize = Vec::new();
+        for (path, v) in targets.iter().zip(flat_outs.iter()) {
+            let t = tensor_at(params, *path);
+            let Some(v) = v else { continue };
+            let vt = b.ty(*v).clone();
+            if vt.shape != t.view.sizes {
+                if var == Variant::Out && path.1.is_none() {
+                    resize.push((path.0, vt.shape.clone()));
+                    continue;
+                }
+                return Err(Error::runtime(format!(
+                    "output with shape {} doesn't match the broadcast shape {}",
+                    shape_str(&t.view.sizes),
+                    shape_str(&vt.shape)
+                )));
+            }
+            let tdt = t.dtype.expect("checked");
+            if !can_cast(vt.dtype, tdt) {
+                return Err(Error::runtime(format!(
+                    "result type {} can't be cast to the desired output type {}",
+                    torch_name(vt.dtype),
+                    torch_name(tdt)
+                )));
+            }
+            let p = match t.loc {
+                Loc::Device(p) => p,
+                Loc::Host(_) => return Ok(Built::Declined("out= tensor on the CPU".into())),
+            };
+            let val = b.convert(*v, tdt);
+            let si = match slots.iter().position(|s| s.ptr == p) {
+                Some(i) => i,
+                None => {
+                    slots.push(Slot { ptr: p, dtype: tdt, n: t.nbytes / tdt.size() as i64, value: None, dirty_path: None });
+                    slots.len() - 1
+                }
+            };
+            if slots[si].dtype != tdt {
+                return Ok(Built::Declined("one storage written as two dtypes".into()));
+            }
+            let n = slots[si].n;
+            let cur = match slots[si].value {
+                Some(c) => c,
+                None if t.view.is_whole(n) => b.full(tdt, &[n], 0.0),
+                None => {
+                    let flat = b.param(TensorType::new(tdt, &[n]));
+                    inputs.push(Input::Storage { path: *path, dtype: tdt });
+                    flat
+                }
+            };
+            let new = layout::write(&mut b, cur, &t.view, val);
+            slots[si].value = Some(new);
+            slots[si].dirty_path = Some(*path);
+        }
+        if !resize.is_empty() {
+            return Ok(Built::Resize(resize));
+        }
+        for s in &slots {
+            if let (Some(path), Some(v)) = (s.dirty_path, s.value) {
+                results.push(v);
+                outputs.push(Output::Write { path, dtype: s.dtype });
+            }
+        }
+    }
+    let mlir = b.finish(&results);
+    if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
+        eprintln!("// {op}.{overload}\n{mlir}");
+    }
+    let t0 = Instant::now();
+    let exe = rt.client.compile(&mlir, device).map_err(|e| {
+        let shapes: Vec<String> = tensors(params)
+            .iter()
+            .map(|(_, t)| format!("{}{}", dt_name(t.dtype), shape_str(&t.view.sizes)))
+            .collect();
+        Error::runtime(format!(
+            "XLA failed to compile {op}.{overload} for inputs ({}): {}",
+            shapes.join(", "),
+            e.message
+        ))
+    })?;
+    rt.metrics.compiled(t0.elapsed().as_secs_f64());
+    Ok(Built::Program(Program { exe, inputs, outputs, rets, rng_consumed }))
+}
+
+fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -> Arg {
+    match a {
+        RArg::None => Arg::None,
+        RArg::Tensor(t) => Arg::Tensor(TensorArg {
+            value: values[&(i, j)],
+            dtype: t.dtype.expect("checked"),
+            shape: t.view.sizes.clone(),
+            wrapped_number: t.wrapped,
+        }),
+        RArg::Int(v) => Arg::Int(*v),
+        RArg::Float(v) => Arg::Float(*v),
+        RArg::Bool(v) => Arg::Bool(*v),
+        RArg::Str(s) => Arg::Str(s.clone()),
+        RArg::ScalarType(Some(d)) => Arg::ScalarType(*d),
+        RArg::ScalarType(None) => Arg::Other,
+        RArg::List(items) => {
+            Arg::List(items.iter().enumerate().map(|(k, x)| to_arg(x, i, Some(k), values)).collect())
+        }
+        RArg::Generator(_) | RArg::Other(_) => Arg::Other,
+    }
+}
+
+fn execute(rt: &Runtime, prog: &Program, params: &[Param]) -> Result<Vec<Ret>> {
+    let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(prog.inputs.len());
+    let mut device = 0;
+    for inp in &prog.inputs {
+        match inp {
+            Input::Storage { path, dtype } => {
+                let t = tensor_at(params, *path);
+                device = t.device;
+                bufs.push(t.storage().expect("device tensor").buffer_as(rt, *dtype)?);
+            }
+            Input::Host { path, dtype } => {
+                let t = tensor_at(params, *path);
+                let Loc::Host(p) = t.loc else { unreachable!("host input") };
+                let contiguous = View { sizes: t.view.sizes.clone(), strides: lowering::shape::contiguous_strides(&t.view.sizes), offset: 0 };
+                let _ = contiguous;
+                // SAFETY: PyTorch keeps the CPU tensor alive during the call and its view is
+                // inside its storage.
+                let bytes = unsafe { host::read(p, &t.view, dtype.size()) };
+                bufs.push(Arc::new(rt.upload(&bytes, *dtype, &t.view.sizes, device)?));
+            }
+            Input::Rng { path } => {
+                let state = path.and_then(|p| match params[p.0].arg {
+                    RArg::Generator(g) => Some(g),
+                    _ => None,
+                });
+                let (seed, offset) = match state {
+                    // SAFETY: the shim passes a pointer to the generator's live [seed, offset].
+                    Some(g) if !g.is_null() => unsafe {
+                        let s = *g;
+                        let o = *g.add(1);
+                        *g.add(1) = o.wrapping_add(prog.rng_consumed as i64);
+                        (s, o)
+                    },
+                    _ => (0, 0),
+                };
+                let mut bytes = Vec::with_capacity(16);
+                bytes.extend_from_slice(&seed.to_le_bytes());
+                bytes.extend_from_slice(&offset.to_le_bytes());
+                bufs.push(Arc::new(rt.upload(&bytes, DType::I64, &[2], device)?));
+            }
+        }
+    }
+    let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
+    let outs = prog.exe.execute(&refs)?;
+    rt.metrics.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let outs: Vec<Arc<pjrt::Buffer>> = outs.into_iter().map(Arc::new).collect();
+    rt.track(&outs);
+    let mut new = Vec::new();
+    for (o, buf) in prog.outputs.iter().zip(outs) {
+        match o {
+            Output::New { dtype, sizes } => {
+                let dev = buf.device();
+                let s = Box::new(Storage::with_buffer(buf, *dtype, dev));
+                new.push(Ret::Tensor { handle: Box::into_raw(s), dtype: *dtype, sizes: sizes.clone(), device: dev });
+            }
+            Output::Write { path, dtype } => {
+                tensor_at(params, *path).storage().expect("device tensor").set(buf, *dtype);
+            }
+        }
+    }
+    Ok(new)
+}

@@ -1,0 +1,63 @@
+//! Strided copies between host memory and contiguous byte vectors.
+
+use crate::layout::View;
+
+/// Calls `f(element offset)` for every element of `view`, in row-major order.
+fn for_each_offset(view: &View, mut f: impl FnMut(i64)) {
+    let n = view.numel();
+    if n == 0 {
+        return;
+    }
+    let rank = view.sizes.len();
+    let mut idx = vec![0i64; rank];
+    let mut off = view.offset;
+    for _ in 0..n {
+        f(off);
+        for d in (0..rank).rev() {
+            idx[d] += 1;
+            off += view.strides[d];
+            if idx[d] < view.sizes[d] {
+                break;
+            }
+            off -= view.strides[d] * view.sizes[d];
+            idx[d] = 0;
+        }
+    }
+}
+
+/// Reads a strided host view into contiguous bytes.
+///
+/// # Safety
+/// `base` must point at a live allocation covering every element of `view`.
+pub unsafe fn read(base: *const u8, view: &View, itemsize: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(view.numel() as usize * itemsize);
+    if view.is_contiguous() {
+        // SAFETY: the caller guarantees the range is inside the allocation.
+        let s = unsafe {
+            std::slice::from_raw_parts(base.add(view.offset as usize * itemsize), view.numel() as usize * itemsize)
+        };
+        out.extend_from_slice(s);
+        return out;
+    }
+    for_each_offset(view, |off| {
+        // SAFETY: every offset of the view is inside the allocation (caller's contract).
+        let s = unsafe { std::slice::from_raw_parts(base.add(off as usize * itemsize), itemsize) };
+        out.extend_from_slice(s);
+    });
+    out
+}
+
+/// Writes contiguous bytes into a strided host view.
+///
+/// # Safety
+/// `base` must point at a live, writable allocation covering every element of `view`.
+pub unsafe fn write(base: *mut u8, view: &View, itemsize: usize, data: &[u8]) {
+    let mut i = 0usize;
+    for_each_offset(view, |off| {
+        // SAFETY: in bounds by the caller's contract; `data` holds numel * itemsize bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr().add(i), base.add(off as usize * itemsize), itemsize);
+        }
+        i += itemsize;
+    });
+}

@@ -1,0 +1,149 @@
+//! The tpu runtime: one PJRT client, device storages, op execution through the lowering
+//! rules, the compilation cache and the metrics.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub use lowering::ErrorKind;
+pub use stablehlo::DType;
+
+pub mod cache;
+pub mod copy;
+pub mod exec;
+pub mod host;
+pub mod layout;
+pub mod metrics;
+pub mod storage;
+
+pub use exec::{dispatch, Outcome, Param, RArg, Ret, TensorRef};
+pub use layout::View;
+pub use storage::Storage;
+
+/// An error with the Python exception type it should become.
+#[derive(Clone, Debug)]
+pub struct Error {
+    pub kind: ErrorKind,
+    pub msg: String,
+}
+
+impl Error {
+    pub fn runtime(msg: impl Into<String>) -> Error {
+        Error { kind: ErrorKind::Runtime, msg: msg.into() }
+    }
+    pub fn new(kind: ErrorKind, msg: impl Into<String>) -> Error {
+        Error { kind, msg: msg.into() }
+    }
+}
+
+impl From<pjrt::Error> for Error {
+    fn from(e: pjrt::Error) -> Error {
+        Error::runtime(format!("PJRT: {}", e.message))
+    }
+}
+
+impl std::fmt::Display for Error {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.msg)
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;
+
+pub fn dtype_to_pjrt(d: DType) -> pjrt::ElementType {
+    use pjrt::ElementType as E;
+    match d {
+        DType::Bool => E::Pred,
+        DType::U8 => E::U8,
+        DType::I8 => E::S8,
+        DType::I16 => E::S16,
+        DType::I32 => E::S32,
+        DType::I64 => E::S64,
+        DType::U32 => E::U32,
+        DType::U64 => E::U64,
+        DType::F16 => E::F16,
+        DType::BF16 => E::BF16,
+        DType::F32 => E::F32,
+        DType::F64 => E::F64,
+    }
+}
+
+/// The process-wide runtime: the PJRT client and everything that caches work for it.
+pub struct Runtime {
+    pub client: Arc<pjrt::Client>,
+    pub cache: cache::Cache,
+    pub metrics: metrics::Metrics,
+    /// Output buffers not yet known to be complete, checked at synchronization.
+    pending: Mutex<Vec<Arc<pjrt::Buffer>>>,
+}
+
+static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+static INIT_LOCK: Mutex<()> = Mutex::new(());
+
+/// Loads the plugin (see `pjrt::find_plugin`) and creates the client, once.
+pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
+    if let Some(rt) = RUNTIME.get() {
+        return Ok(rt);
+    }
+    let _g = INIT_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(rt) = RUNTIME.get() {
+        return Ok(rt);
+    }
+    let path = pjrt::find_plugin(search_dirs).map_err(|e| Error::runtime(e.message))?;
+    let plugin = pjrt::Plugin::load(&path)
+        .map_err(|e| Error::runtime(format!("loading PJRT plugin {}: {}", path.display(), e.message)))?;
+    let client = pjrt::Client::new(plugin)?;
+    let rt = Runtime {
+        client,
+        cache: cache::Cache::default(),
+        metrics: metrics::Metrics::default(),
+        pending: Mutex::new(Vec::new()),
+    };
+    let _ = RUNTIME.set(rt);
+    Ok(RUNTIME.get().expect("runtime just set"))
+}
+
+/// The runtime, if `init` succeeded.
+pub fn get() -> Result<&'static Runtime> {
+    RUNTIME.get().ok_or_else(|| Error::runtime("torch_pjrt is not initialized: import torch_pjrt first"))
+}
+
+impl Runtime {
+    pub fn num_devices(&self) -> usize {
+        self.client.num_devices()
+    }
+
+    pub fn upload(&self, bytes: &[u8], dtype: DType, dims: &[i64], device: usize) -> Result<pjrt::Buffer> {
+        self.metrics.add_h2d(bytes.len());
+        Ok(self.client.buffer_from_host(bytes, dtype_to_pjrt(dtype), dims, device)?)
+    }
+
+    pub fn download(&self, buf: &pjrt::Buffer) -> Result<Vec<u8>> {
+        let v = buf.to_host_vec().map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
+        self.metrics.add_d2h(v.len());
+        Ok(v)
+    }
+
+    pub(crate) fn track(&self, bufs: &[Arc<pjrt::Buffer>]) {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        p.extend(bufs.iter().cloned());
+        if p.len() > 256 {
+            // Keep the list short: drop what has finished.
+            p.retain(|b| !matches!(b.is_ready_nonblocking(), Ok(true)));
+        }
+    }
+
+    /// Waits for every op issued so far; returns the first device error.
+    pub fn synchronize(&self) -> Result<()> {
+        let bufs: Vec<Arc<pjrt::Buffer>> =
+            std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        for b in bufs {
+            b.ready().map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
+        }
+        Ok(())
+    }
+}
+
+/// Names of the ops with a native lowering rule.
+pub fn lowered_ops() -> Vec<&'static str> {
+    lowering::rules::names()
+}

@@ -1,0 +1,85 @@
+//! Counters: per-op native and fallback calls, compilations, cache, executions, transfers.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+#[derive(Default, Clone, Copy, Debug)]
+pub struct OpCounts {
+    pub native: u64,
+    pub fallback: u64,
+}
+
+#[derive(Default)]
+pub struct Metrics {
+    ops: Mutex<BTreeMap<String, OpCounts>>,
+    pub compilations: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
+    compile_nanos: AtomicU64,
+    pub executions: AtomicU64,
+    pub h2d_bytes: AtomicU64,
+    pub d2h_bytes: AtomicU64,
+}
+
+/// A plain snapshot of the counters.
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub ops: BTreeMap<String, OpCounts>,
+    pub counters: Vec<(&'static str, f64)>,
+}
+
+impl Metrics {
+    fn op(&self, name: &str, f: impl FnOnce(&mut OpCounts)) {
+        let mut m = self.ops.lock().unwrap_or_else(|e| e.into_inner());
+        f(m.entry(name.to_string()).or_default());
+    }
+    pub fn native(&self, name: &str) {
+        self.op(name, |c| c.native += 1);
+    }
+    pub fn fallback(&self, name: &str) {
+        self.op(name, |c| c.fallback += 1);
+    }
+    pub fn compiled(&self, secs: f64) {
+        self.compilations.fetch_add(1, Ordering::Relaxed);
+        self.compile_nanos.fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
+    }
+    pub fn add_h2d(&self, n: usize) {
+        self.h2d_bytes.fetch_add(n as u64, Ordering::Relaxed);
+    }
+    pub fn add_d2h(&self, n: usize) {
+        self.d2h_bytes.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        let ops = self.ops.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        let counters = vec![
+            ("compilations", g(&self.compilations)),
+            ("cache_hits", g(&self.cache_hits)),
+            ("cache_misses", g(&self.cache_misses)),
+            ("compile_seconds", g(&self.compile_nanos) / 1e9),
+            ("executions", g(&self.executions)),
+            ("host_to_device_bytes", g(&self.h2d_bytes)),
+            ("device_to_host_bytes", g(&self.d2h_bytes)),
+            ("native_calls", ops.values().map(|c| c.native).sum::<u64>() as f64),
+            ("fallback_calls", ops.values().map(|c| c.fallback).sum::<u64>() as f64),
+        ];
+        Snapshot { ops, counters }
+    }
+
+    pub fn reset(&self) {
+        self.ops.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        for a in [
+            &self.compilations,
+            &self.cache_hits,
+            &self.cache_misses,
+            &self.compile_nanos,
+            &self.executions,
+            &self.h2d_bytes,
+            &self.d2h_bytes,
+        ] {
+            a.store(0, Ordering::Relaxed);
+        }
+    }
+}

@@ -1,0 +1,117 @@
+//! Device storages: what a tpu tensor's DataPtr points at.
+//!
+//! A storage is a byte size plus (once written) one flat PJRT buffer of some element type.
+//! PJRT buffers are immutable, so a write swaps the buffer; views and in-place ops keep
+//! PyTorch's semantics because every tensor sharing the storage sees the swap.
+
+use std::sync::{Arc, Mutex};
+
+use stablehlo::DType;
+
+use crate::{Error, Result, Runtime};
+
+pub struct Storage {
+    pub device: usize,
+    inner: Mutex<Inner>,
+}
+
+struct Inner {
+    nbytes: i64,
+    /// The flat buffer and its element type; None until first written.
+    buf: Option<(Arc<pjrt::Buffer>, DType)>,
+}
+
+impl Storage {
+    pub fn new(nbytes: i64, device: usize) -> Storage {
+        Storage { device, inner: Mutex::new(Inner { nbytes, buf: None }) }
+    }
+
+    pub fn with_buffer(buf: Arc<pjrt::Buffer>, dtype: DType, device: usize) -> Storage {
+        let n = buf.dims().iter().product::<i64>() * dtype.size() as i64;
+        Storage { device, inner: Mutex::new(Inner { nbytes: n, buf: Some((buf, dtype)) }) }
+    }
+
+    pub fn nbytes(&self) -> i64 {
+        self.lock().nbytes
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A poisoned lock only means another thread panicked mid-update; the data is a
+        // plain Option swap, so it is still consistent.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The buffer and its dtype, if written.
+    pub fn current(&self) -> Option<(Arc<pjrt::Buffer>, DType)> {
+        self.lock().buf.clone()
+    }
+
+    /// The flat buffer viewed as `dtype`: re-typed through the host if the storage holds
+    /// another element type, zeros if never written.
+    pub fn buffer_as(&self, rt: &Runtime, dtype: DType) -> Result<Arc<pjrt::Buffer>> {
+        let mut g = self.lock();
+        if let Some((b, d)) = &g.buf {
+            if *d == dtype {
+                return Ok(b.clone());
+            }
+        }
+        let n = g.nbytes;
+        if n % dtype.size() as i64 != 0 {
+            return Err(Error::runtime(format!(
+                "storage of {n} bytes cannot be viewed as {dtype:?} elements"
+            )));
+        }
+        let bytes = match &g.buf {
+            Some((b, _)) => rt.download(b)?,
+            None => vec![0u8; n as usize],
+        };
+        let buf = Arc::new(rt.upload(&bytes, dtype, &[n / dtype.size() as i64], self.device)?);
+        g.buf = Some((buf.clone(), dtype));
+        Ok(buf)
+    }
+
+    /// Replaces the contents (the buffer must hold exactly nbytes).
+    pub fn set(&self, buf: Arc<pjrt::Buffer>, dtype: DType) {
+        let mut g = self.lock();
+        g.buf = Some((buf, dtype));
+    }
+
+    /// The raw bytes (host copy), zero if never written.
+    pub fn bytes(&self, rt: &Runtime) -> Result<Vec<u8>> {
+        let cur = self.current();
+        let n = self.nbytes() as usize;
+        match cur {
+            Some((b, _)) => {
+                let mut v = rt.download(&b)?;
+                v.resize(n, 0);
+                Ok(v)
+            }
+            None => Ok(vec![0u8; n]),
+        }
+    }
+
+    /// Stores raw bytes as u8 elements (the next typed reader re-types them).
+    pub fn set_bytes(&self, rt: &Runtime, bytes: &[u8]) -> Result<()> {
+        let n = bytes.len() as i64;
+        let buf = Arc::new(rt.upload(bytes, DType::U8, &[n], self.device)?);
+        let mut g = self.lock();
+        g.nbytes = n;
+        g.buf = Some((buf, DType::U8));
+        Ok(())
+    }
+
+    /// Resizes to `nbytes`, keeping the common prefix.
+    pub fn resize(&self, rt: &Runtime, nbytes: i64) -> Result<()> {
+        let old = self.nbytes();
+        if nbytes == old {
+            return Ok(());
+        }
+        if self.current().is_none() {
+            self.lock().nbytes = nbytes;
+            return Ok(());
+        }
+        let mut bytes = self.bytes(rt)?;
+        bytes.resize(nbytes as usize, 0);
+        self.set_bytes(rt, &bytes)
+    }
+}

@@ -1,0 +1,302 @@
+//! An in-memory StableHLO function builder that prints MLIR text for PJRT.
+//!
+//! Every op is printed in MLIR's generic form (`"stablehlo.add"(%a, %b) : (...) -> ...`),
+//! which is stable across StableHLO versions and needs no per-op printer. Typed helpers
+//! (`add`, `broadcast_in_dim`, `reduce`, ...) compute result types so lowering rules never
+//! spell a type by hand.
+
+use std::fmt::Write;
+
+mod ops;
+pub use ops::{CmpDir, ReduceKind};
+
+/// Element types, named as PyTorch names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum DType {
+    Bool,
+    U8,
+    I8,
+    I16,
+    I32,
+    I64,
+    U32,
+    U64,
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+impl DType {
+    pub fn mlir(self) -> &'static str {
+        match self {
+            DType::Bool => "i1",
+            DType::U8 => "ui8",
+            DType::I8 => "i8",
+            DType::I16 => "i16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U32 => "ui32",
+            DType::U64 => "ui64",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+        }
+    }
+    pub fn size(self) -> usize {
+        match self {
+            DType::Bool | DType::U8 | DType::I8 => 1,
+            DType::I16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::U32 | DType::F32 => 4,
+            DType::I64 | DType::U64 | DType::F64 => 8,
+        }
+    }
+    pub fn is_float(self) -> bool {
+        matches!(self, DType::F16 | DType::BF16 | DType::F32 | DType::F64)
+    }
+    pub fn is_int(self) -> bool {
+        matches!(
+            self,
+            DType::U8 | DType::I8 | DType::I16 | DType::I32 | DType::I64 | DType::U32 | DType::U64
+        )
+    }
+    pub fn is_signed_int(self) -> bool {
+        matches!(self, DType::I8 | DType::I16 | DType::I32 | DType::I64)
+    }
+    /// Prints a Rust number as an MLIR literal of this type.
+    pub fn literal(self, v: f64) -> String {
+        match self {
+            DType::Bool => (if v != 0.0 { "true" } else { "false" }).to_string(),
+            d if d.is_float() => {
+                if v.is_nan() {
+                    // MLIR spells special floats as hex bit patterns.
+                    match d {
+                        DType::F16 => "0x7E00".into(),
+                        DType::BF16 => "0x7FC0".into(),
+                        DType::F32 => "0x7FC00000".into(),
+                        _ => "0x7FF8000000000000".into(),
+                    }
+                } else if v.is_infinite() {
+                    let neg = v < 0.0;
+                    match (d, neg) {
+                        (DType::F16, false) => "0x7C00".into(),
+                        (DType::F16, true) => "0xFC00".into(),
+                        (DType::BF16, false) => "0x7F80".into(),
+                        (DType::BF16, true) => "0xFF80".into(),
+                        (DType::F32, false) => "0x7F800000".into(),
+                        (DType::F32, true) => "0xFF800000".into(),
+                        (_, false) => "0x7FF0000000000000".into(),
+                        (_, true) => "0xFFF0000000000000".into(),
+                    }
+                } else {
+                    format!("{v:.17e}")
+                }
+            }
+            _ => format!("{}", v as i64),
+        }
+    }
+    pub fn int_literal(self, v: i64) -> String {
+        match self {
+            DType::Bool => (if v != 0 { "true" } else { "false" }).to_string(),
+            d if d.is_float() => self.literal(v as f64),
+            _ => v.to_string(),
+        }
+    }
+}
+
+/// A ranked tensor type.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorType {
+    pub dtype: DType,
+    pub shape: Vec<i64>,
+}
+
+impl TensorType {
+    pub fn new(dtype: DType, shape: &[i64]) -> Self {
+        TensorType { dtype, shape: shape.to_vec() }
+    }
+    pub fn scalar(dtype: DType) -> Self {
+        TensorType { dtype, shape: vec![] }
+    }
+    pub fn rank(&self) -> usize {
+        self.shape.len()
+    }
+    pub fn numel(&self) -> i64 {
+        self.shape.iter().product()
+    }
+    pub fn mlir(&self) -> String {
+        let mut s = String::from("tensor<");
+        for d in &self.shape {
+            let _ = write!(s, "{d}x");
+        }
+        s.push_str(self.dtype.mlir());
+        s.push('>');
+        s
+    }
+    pub fn with_dtype(&self, dtype: DType) -> Self {
+        TensorType { dtype, shape: self.shape.clone() }
+    }
+}
+
+/// An SSA value of the function being built.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Value(u32);
+
+/// Builds one `func.func @main`.
+pub struct Builder {
+    types: Vec<TensorType>,
+    params: Vec<Value>,
+    /// Stack of line buffers: the bottom one is the function body, the others are regions.
+    bodies: Vec<String>,
+}
+
+impl Default for Builder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+pub fn i64_array(v: &[i64]) -> String {
+    let items: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+    if items.is_empty() {
+        "array<i64>".to_string()
+    } else {
+        format!("array<i64: {}>", items.join(", "))
+    }
+}
+
+pub fn i64_list(v: &[i64]) -> String {
+    let items: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+    format!("[{}]", items.join(", "))
+}
+
+impl Builder {
+    pub fn new() -> Self {
+        Builder { types: Vec::new(), params: Vec::new(), bodies: vec![String::new()] }
+    }
+
+    fn fresh(&mut self, ty: TensorType) -> Value {
+        self.types.push(ty);
+        Value(self.types.len() as u32 - 1)
+    }
+
+    pub fn name(v: Value) -> String {
+        format!("%v{}", v.0)
+    }
+
+    pub fn ty(&self, v: Value) -> &TensorType {
+        &self.types[v.0 as usize]
+    }
+
+    pub fn shape(&self, v: Value) -> Vec<i64> {
+        self.types[v.0 as usize].shape.clone()
+    }
+
+    pub fn dtype(&self, v: Value) -> DType {
+        self.types[v.0 as usize].dtype
+    }
+
+    pub fn rank(&self, v: Value) -> usize {
+        self.types[v.0 as usize].shape.len()
+    }
+
+    /// Adds a function parameter.
+    pub fn param(&mut self, ty: TensorType) -> Value {
+        let v = self.fresh(ty);
+        self.params.push(v);
+        v
+    }
+
+    fn line(&mut self, s: &str) {
+        let body = self.bodies.last_mut().expect("builder has a body");
+        body.push_str("    ");
+        body.push_str(s);
+        body.push('\n');
+    }
+
+    fn sig(&self, operands: &[Value]) -> String {
+        let ins: Vec<String> = operands.iter().map(|v| self.ty(*v).mlir()).collect();
+        format!("({})", ins.join(", "))
+    }
+
+    /// Emits a generic op with one result.
+    pub fn op(&mut self, name: &str, operands: &[Value], attrs: &str, result: TensorType) -> Value {
+        self.op_regions(name, operands, &[], attrs, &[result])[0]
+    }
+
+    /// Emits a generic op with any number of results and already printed regions.
+    pub fn op_regions(
+        &mut self,
+        name: &str,
+        operands: &[Value],
+        regions: &[String],
+        attrs: &str,
+        results: &[TensorType],
+    ) -> Vec<Value> {
+        let outs: Vec<Value> = results.iter().map(|t| self.fresh(t.clone())).collect();
+        let mut s = String::new();
+        if !outs.is_empty() {
+            let names: Vec<String> = outs.iter().map(|v| Self::name(*v)).collect();
+            let _ = write!(s, "{} = ", names.join(", "));
+        }
+        let args: Vec<String> = operands.iter().map(|v| Self::name(*v)).collect();
+        let _ = write!(s, "\"{}\"({})", name, args.join(", "));
+        if !regions.is_empty() {
+            let _ = write!(s, " ({})", regions.join(", "));
+        }
+        if !attrs.is_empty() {
+            let _ = write!(s, " {{{attrs}}}");
+        }
+        let res: Vec<String> = results.iter().map(|t| t.mlir()).collect();
+        let res = if res.len() == 1 { res[0].clone() } else { format!("({})", res.join(", ")) };
+        let _ = write!(s, " : {} -> {}", self.sig(operands), res);
+        self.line(&s);
+        outs
+    }
+
+    /// Builds a region with one block whose arguments have the given types; `f` emits the
+    /// body and returns the values to yield with `stablehlo.return`.
+    pub fn region(
+        &mut self,
+        arg_types: &[TensorType],
+        f: impl FnOnce(&mut Builder, &[Value]) -> Vec<Value>,
+    ) -> String {
+        let args: Vec<Value> = arg_types.iter().map(|t| self.fresh(t.clone())).collect();
+        self.bodies.push(String::new());
+        let rets = f(self, &args);
+        let sig = self.sig(&rets);
+        let names: Vec<String> = rets.iter().map(|v| Self::name(*v)).collect();
+        self.line(&format!("\"stablehlo.return\"({}) : {} -> ()", names.join(", "), sig));
+        let body = self.bodies.pop().expect("region body");
+        let header: Vec<String> =
+            args.iter().map(|v| format!("{}: {}", Self::name(*v), self.ty(*v).mlir())).collect();
+        format!("{{\n  ^bb0({}):\n{}  }}", header.join(", "), body)
+    }
+
+    /// Prints the module with `outputs` returned from `@main`.
+    pub fn finish(&self, outputs: &[Value]) -> String {
+        let params: Vec<String> = self
+            .params
+            .iter()
+            .map(|v| format!("{}: {}", Self::name(*v), self.ty(*v).mlir()))
+            .collect();
+        let rets: Vec<String> = outputs.iter().map(|v| self.ty(*v).mlir()).collect();
+        let names: Vec<String> = outputs.iter().map(|v| Self::name(*v)).collect();
+        let mut s = String::new();
+        let _ = writeln!(
+            s,
+            "module @torch_pjrt {{\n  func.func public @main({}) -> ({}) {{",
+            params.join(", "),
+            rets.join(", ")
+        );
+        s.push_str(&self.bodies[0]);
+        let _ = writeln!(
+            s,
+            "    \"func.return\"({}) : ({}) -> ()\n  }}\n}}",
+            names.join(", "),
+            rets.join(", ")
+        );
+        s
+    }
+}

@@ -1,0 +1,487 @@
+//! Typed op helpers: each computes its result type and emits one generic op.
+
+use crate::{i64_array, i64_list, Builder, DType, TensorType, Value};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CmpDir {
+    Eq,
+    Ne,
+    Lt,
+    Le,
+    Gt,
+    Ge,
+}
+
+/// The combiner of a `reduce`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReduceKind {
+    Sum,
+    Prod,
+    Max,
+    Min,
+    And,
+    Or,
+}
+
+impl ReduceKind {
+    pub fn op_name(self, dtype: DType) -> &'static str {
+        match (self, dtype) {
+            (ReduceKind::Sum, DType::Bool) | (ReduceKind::Or, _) => "stablehlo.or",
+            (ReduceKind::Prod, DType::Bool) | (ReduceKind::And, _) => "stablehlo.and",
+            (ReduceKind::Sum, _) => "stablehlo.add",
+            (ReduceKind::Prod, _) => "stablehlo.multiply",
+            (ReduceKind::Max, _) => "stablehlo.maximum",
+            (ReduceKind::Min, _) => "stablehlo.minimum",
+        }
+    }
+    /// The identity element of the combiner.
+    pub fn init(self, dtype: DType) -> f64 {
+        match self {
+            ReduceKind::Sum | ReduceKind::Or => 0.0,
+            ReduceKind::Prod | ReduceKind::And => 1.0,
+            ReduceKind::Max => lowest(dtype),
+            ReduceKind::Min => highest(dtype),
+        }
+    }
+}
+
+pub fn lowest(d: DType) -> f64 {
+    match d {
+        DType::Bool | DType::U8 => 0.0,
+        DType::I8 => i8::MIN as f64,
+        DType::I16 => i16::MIN as f64,
+        DType::I32 => i32::MIN as f64,
+        DType::I64 => i64::MIN as f64,
+        DType::U32 | DType::U64 => 0.0,
+        _ => f64::NEG_INFINITY,
+    }
+}
+
+pub fn highest(d: DType) -> f64 {
+    match d {
+        DType::Bool => 1.0,
+        DType::U8 => 255.0,
+        DType::I8 => i8::MAX as f64,
+        DType::I16 => i16::MAX as f64,
+        DType::I32 => i32::MAX as f64,
+        DType::I64 => i64::MAX as f64,
+        DType::U32 => u32::MAX as f64,
+        DType::U64 => u64::MAX as f64,
+        _ => f64::INFINITY,
+    }
+}
+
+impl Builder {
+    /// A 0-d constant.
+    pub fn constant(&mut self, dtype: DType, v: f64) -> Value {
+        let lit = if dtype == DType::I64 && v.abs() >= 9.0e15 {
+            // Extremes of i64 do not survive a trip through f64 printing.
+            if v > 0.0 { i64::MAX.to_string() } else { i64::MIN.to_string() }
+        } else {
+            dtype.literal(v)
+        };
+        let ty = TensorType::scalar(dtype);
+        let attr = format!("value = dense<{}> : {}", lit, ty.mlir());
+        self.op("stablehlo.constant", &[], &attr, ty)
+    }
+
+    pub fn constant_i64(&mut self, dtype: DType, v: i64) -> Value {
+        let ty = TensorType::scalar(dtype);
+        let attr = format!("value = dense<{}> : {}", dtype.int_literal(v), ty.mlir());
+        self.op("stablehlo.constant", &[], &attr, ty)
+    }
+
+    /// A 1-d i64 constant.
+    pub fn constant_vec_i64(&mut self, v: &[i64]) -> Value {
+        let ty = TensorType::new(DType::I64, &[v.len() as i64]);
+        let attr = format!("value = dense<{}> : {}", i64_list(v), ty.mlir());
+        self.op("stablehlo.constant", &[], &attr, ty)
+    }
+
+    /// A tensor of `shape` filled with `v`.
+    pub fn full(&mut self, dtype: DType, shape: &[i64], v: f64) -> Value {
+        let c = self.constant(dtype, v);
+        self.broadcast_in_dim(c, shape, &[])
+    }
+
+    pub fn unary(&mut self, name: &str, x: Value) -> Value {
+        let ty = self.ty(x).clone();
+        self.op(name, &[x], "", ty)
+    }
+
+    /// An elementwise op over operands of one type.
+    pub fn binary(&mut self, name: &str, a: Value, b: Value) -> Value {
+        let ty = self.ty(a).clone();
+        assert_eq!(&ty, self.ty(b), "{name}: operand types differ");
+        self.op(name, &[a, b], "", ty)
+    }
+
+    pub fn add(&mut self, a: Value, b: Value) -> Value {
+        self.binary("stablehlo.add", a, b)
+    }
+    pub fn sub(&mut self, a: Value, b: Value) -> Value {
+        self.binary("stablehlo.subtract", a, b)
+    }
+    pub fn mul(&mut self, a: Value, b: Value) -> Value {
+        self.binary("stablehlo.multiply", a, b)
+    }
+    pub fn div(&mut self, a: Value, b: Value) -> Value {
+        self.binary("stablehlo.divide", a, b)
+    }
+    pub fn max(&mut self, a: Value, b: Value) -> Value {
+        self.binary("stablehlo.maximum", a, b)
+    }
+    pub fn min(&mut self, a: Value, b: Value) -> Value {
+        self.binary("stablehlo.minimum", a, b)
+    }
+    pub fn and(&mut self, a: Value, b: Value) -> Value {
+        self.binary("stablehlo.and", a, b)
+    }
+    pub fn or(&mut self, a: Value, b: Value) -> Value {
+        self.binary("stablehlo.or", a, b)
+    }
+    pub fn neg(&mut self, a: Value) -> Value {
+        self.unary("stablehlo.negate", a)
+    }
+    pub fn not(&mut self, a: Value) -> Value {
+        self.unary("stablehlo.not", a)
+    }
+    pub fn exp(&mut self, a: Value) -> Value {
+        self.unary("stablehlo.exponential", a)
+    }
+    pub fn log(&mut self, a: Value) -> Value {
+        self.unary("stablehlo.log", a)
+    }
+    pub fn sqrt(&mut self, a: Value) -> Value {
+        self.unary("stablehlo.sqrt", a)
+    }
+    pub fn rsqrt(&mut self, a: Value) -> Value {
+        self.unary("stablehlo.rsqrt", a)
+    }
+    pub fn tanh(&mut self, a: Value) -> Value {
+        self.unary("stablehlo.tanh", a)
+    }
+    pub fn abs(&mut self, a: Value) -> Value {
+        self.unary("stablehlo.abs", a)
+    }
+    pub fn floor(&mut self, a: Value) -> Value {
+        self.unary("stablehlo.floor", a)
+    }
+
+    /// A scalar constant broadcast to `like`'s type.
+    pub fn splat(&mut self, like: Value, v: f64) -> Value {
+        let ty = self.ty(like).clone();
+        self.full(ty.dtype, &ty.shape, v)
+    }
+
+    pub fn compare(&mut self, a: Value, b: Value, dir: CmpDir) -> Value {
+        let ty = self.ty(a).clone();
+        assert_eq!(&ty, self.ty(b), "compare: operand types differ");
+        let d = match dir {
+            CmpDir::Eq => "EQ",
+            CmpDir::Ne => "NE",
+            CmpDir::Lt => "LT",
+            CmpDir::Le => "LE",
+            CmpDir::Gt => "GT",
+            CmpDir::Ge => "GE",
+        };
+        let kind = if ty.dtype.is_float() {
+            "FLOAT"
+        } else if ty.dtype.is_signed_int() {
+            "SIGNED"
+        } else {
+            "UNSIGNED"
+        };
+        let attrs = format!(
+            "comparison_direction = #stablehlo<comparison_direction {d}>, compare_type = #stablehlo<comparison_type {kind}>"
+        );
+        self.op("stablehlo.compare", &[a, b], &attrs, ty.with_dtype(DType::Bool))
+    }
+
+    pub fn select(&mut self, pred: Value, on_true: Value, on_false: Value) -> Value {
+        let ty = self.ty(on_true).clone();
+        self.op("stablehlo.select", &[pred, on_true, on_false], "", ty)
+    }
+
+    pub fn convert(&mut self, x: Value, dtype: DType) -> Value {
+        if self.dtype(x) == dtype {
+            return x;
+        }
+        if dtype == DType::Bool {
+            // Conversion to bool is `x != 0`, as in PyTorch.
+            let z = self.splat(x, 0.0);
+            return self.compare(x, z, CmpDir::Ne);
+        }
+        let ty = self.ty(x).with_dtype(dtype);
+        self.op("stablehlo.convert", &[x], "", ty)
+    }
+
+    pub fn bitcast_convert(&mut self, x: Value, dtype: DType) -> Value {
+        let ty = self.ty(x).with_dtype(dtype);
+        self.op("stablehlo.bitcast_convert", &[x], "", ty)
+    }
+
+    pub fn reshape(&mut self, x: Value, shape: &[i64]) -> Value {
+        if self.shape(x) == shape {
+            return x;
+        }
+        let ty = TensorType::new(self.dtype(x), shape);
+        assert_eq!(ty.numel(), self.ty(x).numel(), "reshape: element count differs");
+        self.op("stablehlo.reshape", &[x], "", ty)
+    }
+
+    /// `dims[i]` is the result dimension that operand dimension `i` maps to.
+    pub fn broadcast_in_dim(&mut self, x: Value, shape: &[i64], dims: &[i64]) -> Value {
+        if self.shape(x) == shape && dims.iter().enumerate().all(|(i, d)| *d == i as i64) {
+            return x;
+        }
+        let ty = TensorType::new(self.dtype(x), shape);
+        let attrs = format!("broadcast_dimensions = {}", i64_array(dims));
+        self.op("stablehlo.broadcast_in_dim", &[x], &attrs, ty)
+    }
+
+    /// NumPy-style broadcast of `x` to `shape` (trailing dimensions aligned).
+    pub fn broadcast_to(&mut self, x: Value, shape: &[i64]) -> Value {
+        let xs = self.shape(x);
+        assert!(xs.len() <= shape.len(), "broadcast_to: rank too large");
+        let off = shape.len() - xs.len();
+        // Drop size-1 dims that must stretch, so broadcast_in_dim sees exact sizes.
+        let mut keep_shape = Vec::new();
+        let mut dims = Vec::new();
+        for (i, d) in xs.iter().enumerate() {
+            if *d == shape[off + i] {
+                keep_shape.push(*d);
+                dims.push((off + i) as i64);
+            } else {
+                assert_eq!(*d, 1, "broadcast_to: incompatible dimension");
+            }
+        }
+        let x = self.reshape(x, &keep_shape);
+        self.broadcast_in_dim(x, shape, &dims)
+    }
+
+    pub fn transpose(&mut self, x: Value, perm: &[i64]) -> Value {
+        if perm.iter().enumerate().all(|(i, p)| *p == i as i64) {
+            return x;
+        }
+        let xs = self.shape(x);
+        let shape: Vec<i64> = perm.iter().map(|p| xs[*p as usize]).collect();
+        let ty = TensorType::new(self.dtype(x), &shape);
+        let attrs = format!("permutation = {}", i64_array(perm));
+        self.op("stablehlo.transpose", &[x], &attrs, ty)
+    }
+
+    pub fn slice(&mut self, x: Value, start: &[i64], limit: &[i64], strides: &[i64]) -> Value {
+        let shape: Vec<i64> = (0..start.len())
+            .map(|i| {
+                let n = limit[i] - start[i];
+                if n <= 0 {
+                    0
+                } else {
+                    (n + strides[i] - 1) / strides[i]
+                }
+            })
+            .collect();
+        if shape == self.shape(x) {
+            return x;
+        }
+        let ty = TensorType::new(self.dtype(x), &shape);
+        let attrs = format!(
+            "start_indices = {}, limit_indices = {}, strides = {}",
+            i64_array(start),
+            i64_array(limit),
+            i64_array(strides)
+        );
+        self.op("stablehlo.slice", &[x], &attrs, ty)
+    }
+
+    /// Slice of one dimension: `[start, limit)` with `step`.
+    pub fn slice_dim(&mut self, x: Value, dim: usize, start: i64, limit: i64, step: i64) -> Value {
+        let shape = self.shape(x);
+        let mut st = vec![0; shape.len()];
+        let mut li = shape.clone();
+        let mut sp = vec![1; shape.len()];
+        st[dim] = start;
+        li[dim] = limit;
+        sp[dim] = step;
+        self.slice(x, &st, &li, &sp)
+    }
+
+    pub fn dynamic_slice(&mut self, x: Value, starts: &[Value], sizes: &[i64]) -> Value {
+        let ty = TensorType::new(self.dtype(x), sizes);
+        let mut ops = vec![x];
+        ops.extend_from_slice(starts);
+        let attrs = format!("slice_sizes = {}", i64_array(sizes));
+        self.op("stablehlo.dynamic_slice", &ops, &attrs, ty)
+    }
+
+    pub fn dynamic_update_slice(&mut self, x: Value, update: Value, starts: &[Value]) -> Value {
+        let ty = self.ty(x).clone();
+        let mut ops = vec![x, update];
+        ops.extend_from_slice(starts);
+        self.op("stablehlo.dynamic_update_slice", &ops, "", ty)
+    }
+
+    pub fn concatenate(&mut self, xs: &[Value], dim: usize) -> Value {
+        if xs.len() == 1 {
+            return xs[0];
+        }
+        let mut shape = self.shape(xs[0]);
+        shape[dim] = xs.iter().map(|v| self.shape(*v)[dim]).sum();
+        let ty = TensorType::new(self.dtype(xs[0]), &shape);
+        let attrs = format!("dimension = {dim} : i64");
+        self.op("stablehlo.concatenate", xs, &attrs, ty)
+    }
+
+    pub fn iota(&mut self, dtype: DType, shape: &[i64], dim: usize) -> Value {
+        let ty = TensorType::new(dtype, shape);
+        let attrs = format!("iota_dimension = {dim} : i64");
+        self.op("stablehlo.iota", &[], &attrs, ty)
+    }
+
+    pub fn pad(&mut self, x: Value, value: Value, low: &[i64], high: &[i64], interior: &[i64]) -> Value {
+        let xs = self.shape(x);
+        let shape: Vec<i64> = (0..xs.len())
+            .map(|i| low[i] + high[i] + xs[i] + (xs[i] - 1).max(0) * interior[i])
+            .collect();
+        let ty = TensorType::new(self.dtype(x), &shape);
+        let attrs = format!(
+            "edge_padding_low = {}, edge_padding_high = {}, interior_padding = {}",
+            i64_array(low),
+            i64_array(high),
+            i64_array(interior)
+        );
+        self.op("stablehlo.pad", &[x, value], &attrs, ty)
+    }
+
+    pub fn clamp(&mut self, lo: Value, x: Value, hi: Value) -> Value {
+        let ty = self.ty(x).clone();
+        self.op("stablehlo.clamp", &[lo, x, hi], "", ty)
+    }
+
+    /// `dot_general` with explicit batch and contracting dimensions; the result is
+    /// batch dims, then lhs free dims, then rhs free dims.
+    pub fn dot_general(
+        &mut self,
+        a: Value,
+        b: Value,
+        batch: (&[i64], &[i64]),
+        contract: (&[i64], &[i64]),
+        out: DType,
+    ) -> Value {
+        let (sa, sb) = (self.shape(a), self.shape(b));
+        let mut shape: Vec<i64> = batch.0.iter().map(|d| sa[*d as usize]).collect();
+        for (i, d) in sa.iter().enumerate() {
+            let i = i as i64;
+            if !batch.0.contains(&i) && !contract.0.contains(&i) {
+                shape.push(*d);
+            }
+        }
+        for (i, d) in sb.iter().enumerate() {
+            let i = i as i64;
+            if !batch.1.contains(&i) && !contract.1.contains(&i) {
+                shape.push(*d);
+            }
+        }
+        let attrs = format!(
+            "dot_dimension_numbers = #stablehlo.dot<lhs_batching_dimensions = {}, rhs_batching_dimensions = {}, lhs_contracting_dimensions = {}, rhs_contracting_dimensions = {}>",
+            i64_list(batch.0),
+            i64_list(batch.1),
+            i64_list(contract.0),
+            i64_list(contract.1)
+        );
+        self.op("stablehlo.dot_general", &[a, b], &attrs, TensorType::new(out, &shape))
+    }
+
+    /// Reduces `x` over `dims` with a builtin combiner.
+    pub fn reduce(&mut self, x: Value, dims: &[i64], kind: ReduceKind) -> Value {
+        let dtype = self.dtype(x);
+        let init = self.constant(dtype, kind.init(dtype));
+        let name = kind.op_name(dtype);
+        self.reduce_with(&[x], &[init], dims, |b, args| vec![b.binary(name, args[0], args[1])])[0]
+    }
+
+    /// A general variadic `reduce`: `body` gets (acc..., x...) scalars and returns the new accs.
+    pub fn reduce_with(
+        &mut self,
+        xs: &[Value],
+        inits: &[Value],
+        dims: &[i64],
+        body: impl FnOnce(&mut Builder, &[Value]) -> Vec<Value>,
+    ) -> Vec<Value> {
+        let in_shape = self.shape(xs[0]);
+        let out_shape: Vec<i64> = in_shape
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !dims.contains(&(*i as i64)))
+            .map(|(_, d)| *d)
+            .collect();
+        let scalar_tys: Vec<TensorType> =
+            inits.iter().map(|v| TensorType::scalar(self.dtype(*v))).collect();
+        let mut arg_tys = scalar_tys.clone();
+        arg_tys.extend(scalar_tys.iter().cloned());
+        let region = self.region(&arg_tys, body);
+        let results: Vec<TensorType> =
+            inits.iter().map(|v| TensorType::new(self.dtype(*v), &out_shape)).collect();
+        let mut ops = xs.to_vec();
+        ops.extend_from_slice(inits);
+        let attrs = format!("dimensions = {}", i64_array(dims));
+        self.op_regions("stablehlo.reduce", &ops, &[region], &attrs, &results)
+    }
+
+    /// `reduce_window` with a builtin combiner. `padding` is (low, high) per dim.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_window(
+        &mut self,
+        x: Value,
+        init: Value,
+        kind: ReduceKind,
+        window: &[i64],
+        strides: &[i64],
+        padding: &[(i64, i64)],
+    ) -> Value {
+        let xs = self.shape(x);
+        let dtype = self.dtype(x);
+        let shape: Vec<i64> = (0..xs.len())
+            .map(|i| (xs[i] + padding[i].0 + padding[i].1 - window[i]) / strides[i] + 1)
+            .collect();
+        let name = kind.op_name(dtype);
+        let st = TensorType::scalar(dtype);
+        let region = self.region(&[st.clone(), st], |b, a| vec![b.binary(name, a[0], a[1])]);
+        let attrs = format!(
+            "window_dimensions = {}, window_strides = {}, padding = {}",
+            i64_array(window),
+            i64_array(strides),
+            padding_attr(padding)
+        );
+        self.op_regions(
+            "stablehlo.reduce_window",
+            &[x, init],
+            &[region],
+            &attrs,
+            &[TensorType::new(dtype, &shape)],
+        )[0]
+    }
+
+    /// Random bits from a counter-based generator: returns (new_state, bits).
+    pub fn rng_bits(&mut self, state: Value, shape: &[i64], dtype: DType) -> (Value, Value) {
+        let st = self.ty(state).clone();
+        let r = self.op_regions(
+            "stablehlo.rng_bit_generator",
+            &[state],
+            &[],
+            "rng_algorithm = #stablehlo<rng_algorithm THREE_FRY>",
+            &[st, TensorType::new(dtype, shape)],
+        );
+        (r[0], r[1])
+    }
+}
+
+/// `dense<[[lo, hi], ...]> : tensor<Nx2xi64>`
+pub fn padding_attr(p: &[(i64, i64)]) -> String {
+    let rows: Vec<String> = p.iter().map(|(l, h)| format!("[{l}, {h}]")).collect();
+    if p.is_empty() {
+        return "dense<> : tensor<0x2xi64>".to_string();
+    }
+    format!("dense<[{}]> : tensor<{}x2xi64>", rows.join(", "), p.len())
+}

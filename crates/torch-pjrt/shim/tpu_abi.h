@@ -1,0 +1,164 @@
+// The C ABI between the C++ shim (what only C++ can register with PyTorch)
+// and the Rust runtime (everything that decides what runs). Plain C so both
+// sides can read it; Rust mirrors these structs in src/abi.rs.
+#pragma once
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define TPU_MAX_DIMS 16
+
+// Argument kinds, classified from the schema (real_type), not the IValue tag.
+enum TpuArgKind {
+  TPU_ARG_NONE = 0,
+  TPU_ARG_TENSOR = 1,
+  TPU_ARG_INT = 2,          // int, SymInt
+  TPU_ARG_DOUBLE = 3,       // float
+  TPU_ARG_BOOL = 4,
+  TPU_ARG_STRING = 5,       // str (gelu approximate, div rounding_mode, ...)
+  TPU_ARG_LIST = 6,         // any list: elements in `list`
+  TPU_ARG_SCALAR_TYPE = 7,  // ScalarType: value in `i` (c10::ScalarType)
+  TPU_ARG_GENERATOR = 8,    // gen_state points at [seed, offset] of the generator
+  TPU_ARG_COMPLEX = 9,      // d + i*d_imag
+  TPU_ARG_DEVICE = 10,      // i = device index (-1 none), s = type name
+  TPU_ARG_LAYOUT = 11,      // i = c10::Layout
+  TPU_ARG_MEMORY_FORMAT = 12,  // i = c10::MemoryFormat
+  TPU_ARG_OTHER = 13,       // anything else: Rust declines the op
+};
+
+// Scalar arguments (schema type `Scalar`) carry the Python kind they had.
+enum TpuScalarKind { TPU_SCALAR_NOT = 0, TPU_SCALAR_INT = 1, TPU_SCALAR_DOUBLE = 2, TPU_SCALAR_BOOL = 3 };
+
+typedef struct TpuTensor {
+  void* handle;           // tpu: the Rust storage handle (DataPtr context); NULL for cpu
+  void* host_data;        // cpu: storage base pointer (offset NOT applied); NULL for tpu
+  int32_t is_cpu;
+  int32_t dtype;          // c10::ScalarType
+  int32_t device_index;
+  int32_t ndim;
+  const int64_t* sizes;
+  const int64_t* strides;
+  int64_t storage_offset; // in elements
+  int64_t storage_nbytes;
+  int32_t is_wrapped_number;  // a Python scalar promoted to a 0-dim cpu tensor
+  int32_t requires_grad;
+} TpuTensor;
+
+// Where values live: INT/SCALAR_TYPE/LAYOUT/MEMORY_FORMAT/BOOL(0|1) in `i`,
+// DOUBLE in `d`, COMPLEX in `d`+`d_imag`, STRING in `s`. A None `Generator?`
+// arrives as TPU_ARG_GENERATOR with the default generator of the op's device.
+// List elements copy the list's name/is_write/is_out.
+typedef struct TpuArg {
+  const char* name;       // schema argument name
+  int32_t kind;           // TpuArgKind
+  int32_t scalar_kind;    // TpuScalarKind when the schema type is Scalar
+  int32_t is_write;       // (a!) alias annotation
+  int32_t is_out;         // kwarg-only out= argument
+  int64_t i;
+  double d;
+  double d_imag;
+  const char* s;
+  TpuTensor t;
+  int64_t list_len;
+  const struct TpuArg* list;
+  int64_t* gen_state;     // [seed, offset]; Rust bumps offset
+} TpuArg;
+
+enum TpuRetKind {
+  TPU_RET_TENSOR = 0,     // new tensor: handle/dtype/device/ndim/sizes (contiguous)
+  TPU_RET_ALIAS = 1,      // push back argument `alias_arg` (mutable return / out)
+  TPU_RET_INT = 2,
+  TPU_RET_DOUBLE = 3,
+  TPU_RET_BOOL = 4,
+  TPU_RET_NONE = 5,
+  TPU_RET_LIST = 6,       // a Tensor[] return: the next `i` entries are its elements
+  TPU_RET_ALIAS_LIST_ELEM = 7,  // element `i` of list argument `alias_arg`
+};
+
+typedef struct TpuRet {
+  int32_t kind;
+  int32_t alias_arg;
+  void* handle;
+  int32_t dtype;
+  int32_t device_index;
+  int32_t ndim;
+  int64_t sizes[TPU_MAX_DIMS];
+  int64_t i;
+  double d;
+} TpuRet;
+
+enum TpuStatus {
+  TPU_OK = 0,
+  TPU_DECLINED = 1,       // no native rule: shim runs the CPU fallback
+  TPU_ERROR = 2,          // err filled: shim throws
+  TPU_NEED_RESIZE = 3,    // out= args must be resized first: see TpuResize, then call again
+};
+
+enum TpuErrorKind {
+  TPU_ERR_RUNTIME = 0,    // RuntimeError
+  TPU_ERR_VALUE = 1,      // ValueError
+  TPU_ERR_TYPE = 2,       // TypeError
+  TPU_ERR_INDEX = 3,      // IndexError
+  TPU_ERR_NOT_IMPLEMENTED = 4,  // NotImplementedError
+};
+
+#define TPU_ERR_MSG_LEN 2048
+typedef struct TpuError {
+  int32_t kind;
+  char msg[TPU_ERR_MSG_LEN];
+  // For TPU_NEED_RESIZE: which args and to what sizes.
+  int32_t n_resize;
+  int32_t resize_arg[8];
+  int32_t resize_ndim[8];
+  int64_t resize_sizes[8][TPU_MAX_DIMS];
+} TpuError;
+
+#define TPU_MAX_RETS 512
+
+// ---- Provided by Rust ----
+
+// tpu_rs_storage_copy/_resize, tpu_rs_copy, tpu_rs_item and tpu_rs_synchronize
+// return 0 on success, anything else with err set.
+// Runs one op. Returns a TpuStatus. `rets` may only hold new handles on TPU_OK.
+int32_t tpu_rs_dispatch(const char* op_name, const char* overload, int32_t nargs,
+                        const TpuArg* args, int32_t max_rets, int32_t* nrets, TpuRet* rets,
+                        TpuError* err);
+// Storage handles: a DataPtr's data and context are the handle.
+void* tpu_rs_storage_new(int64_t nbytes, int32_t device_index);
+void tpu_rs_storage_free(void* handle);
+// Copies nbytes between storages (allocator copy_data). Returns 0 or sets err.
+int32_t tpu_rs_storage_copy(void* dst, void* src, int64_t nbytes, TpuError* err);
+// Re-allocates `handle` to new_nbytes keeping the first min(old,new) bytes.
+int32_t tpu_rs_storage_resize(void* handle, int64_t new_nbytes, TpuError* err);
+// _copy_from(src, dst): any mix of cpu/tpu, dtype conversion, broadcasting src to dst.
+int32_t tpu_rs_copy(const TpuTensor* src, const TpuTensor* dst, int32_t non_blocking, TpuError* err);
+// _local_scalar_dense: the single element, as int64 / double / bool by dtype.
+int32_t tpu_rs_item(const TpuTensor* t, TpuRet* out, TpuError* err);
+int32_t tpu_rs_device_count(void);
+int32_t tpu_rs_synchronize(int32_t device_index, TpuError* err);
+// Warns once per op name ("aten::add.out"; no ".overload" when the overload
+// name is empty); returns 0 when the CPU fallback is disabled (err set).
+int32_t tpu_rs_fallback_begin(const char* op_name, TpuError* err);
+
+// ---- Provided by the C++ shim ----
+
+// Registers allocator, guard, hooks, generator, kernels and the fallback.
+// Idempotent; returns 0 or a message (static storage) on failure.
+const char* tpu_shim_init(void);
+// Current device of the calling thread.
+int32_t tpu_shim_current_device(void);
+// Default generator of a device (created lazily): seed it / read its seed.
+void tpu_shim_manual_seed(int32_t device_index, uint64_t seed);
+uint64_t tpu_shim_initial_seed(int32_t device_index);
+// Registers the Rust-dispatching boxed kernel for PrivateUse1 on these ops
+// ("add.Tensor", "aten::mul.Tensor", "mm", "myns::op.overload"), overriding
+// composite kernels so the functional call reaches tpu_rs_dispatch.
+// Idempotent per name. Returns NULL, or a message valid until the next call
+// on this thread. Fails for unknown ops and for ops the shim implements in C++.
+const char* tpu_shim_register_boxed(const char* const* names, int32_t n);
+
+#ifdef __cplusplus
+}
+#endif

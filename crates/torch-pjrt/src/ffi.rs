@@ -1,0 +1,290 @@
+//! The `tpu_rs_*` functions the C++ shim calls. No panic crosses this boundary: each
+//! entry point runs under `catch_unwind` and reports failures through `TpuError`.
+
+use std::collections::HashSet;
+use std::ffi::{c_char, c_void};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use runtime::{copy, dispatch, ErrorKind, Outcome, Ret, Storage};
+
+use crate::abi::*;
+
+/// `torch_pjrt.enable_cpu_fallback`.
+pub static FALLBACK_ENABLED: AtomicBool = AtomicBool::new(true);
+static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
+
+const OK: i32 = 0;
+const DECLINED: i32 = 1;
+const ERROR: i32 = 2;
+const NEED_RESIZE: i32 = 3;
+
+fn panic_msg(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".into()
+    }
+}
+
+/// Runs `f`, turning errors and panics into `err` and a non-zero code.
+fn guarded(err: *mut TpuError, what: &str, f: impl FnOnce() -> runtime::Result<i32>) -> i32 {
+    let r = catch_unwind(AssertUnwindSafe(f));
+    let (kind, msg) = match r {
+        Ok(Ok(code)) => return code,
+        Ok(Err(e)) => (e.kind, e.msg),
+        Err(p) => (ErrorKind::Runtime, format!("internal error in torch_pjrt ({what}): {}", panic_msg(p))),
+    };
+    if !err.is_null() {
+        // SAFETY: the shim passes a valid TpuError to fill.
+        unsafe { (*err).set(kind, &msg) };
+    }
+    ERROR
+}
+
+fn rt() -> runtime::Result<&'static runtime::Runtime> {
+    runtime::get()
+}
+
+fn storage<'a>(h: *mut c_void) -> &'a Storage {
+    // SAFETY: handles come from tpu_rs_storage_new / dispatch and stay alive until
+    // tpu_rs_storage_free, which PyTorch calls only after the last use.
+    unsafe { &*(h as *const Storage) }
+}
+
+fn fill_tensor_ret(r: &mut TpuRet, handle: *mut Storage, dtype: runtime::DType, sizes: &[i64], device: usize) -> runtime::Result<()> {
+    if sizes.len() > MAX_DIMS {
+        return Err(runtime::Error::runtime(format!("tensors of rank {} are not supported (max {MAX_DIMS})", sizes.len())));
+    }
+    r.kind = RET_TENSOR;
+    r.handle = handle as *mut c_void;
+    r.dtype = dtype_to_c10(dtype);
+    r.device_index = device as i32;
+    r.ndim = sizes.len() as i32;
+    r.sizes[..sizes.len()].copy_from_slice(sizes);
+    Ok(())
+}
+
+/// # Safety
+/// Called by the shim with valid pointers as described in tpu_abi.h.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_dispatch(
+    op_name: *const c_char,
+    overload: *const c_char,
+    nargs: i32,
+    args: *const TpuArg,
+    max_rets: i32,
+    nrets: *mut i32,
+    rets: *mut TpuRet,
+    err: *mut TpuError,
+) -> i32 {
+    guarded(err, "dispatch", || {
+        // SAFETY: valid strings and arguments per the ABI.
+        let (op, ov, params) = unsafe { (cstr(op_name), cstr(overload), params(args, nargs)) };
+        let rt = rt()?;
+        match dispatch(rt, &op, &ov, &params)? {
+            Outcome::Declined(_) => Ok(DECLINED),
+            Outcome::Resize(list) => {
+                // SAFETY: err is valid per the ABI.
+                let e = unsafe { &mut *err };
+                e.n_resize = list.len().min(8) as i32;
+                for (k, (idx, sizes)) in list.iter().take(8).enumerate() {
+                    e.resize_arg[k] = *idx as i32;
+                    e.resize_ndim[k] = sizes.len().min(MAX_DIMS) as i32;
+                    for (d, s) in sizes.iter().take(MAX_DIMS).enumerate() {
+                        e.resize_sizes[k][d] = *s;
+                    }
+                }
+                Ok(NEED_RESIZE)
+            }
+            Outcome::Done(list) => {
+                if list.len() > max_rets.max(0) as usize {
+                    return Err(runtime::Error::runtime("too many results for the shim"));
+                }
+                // SAFETY: rets has room for max_rets entries.
+                let out = unsafe { std::slice::from_raw_parts_mut(rets, max_rets as usize) };
+                let mut owned: Vec<*mut Storage> = Vec::new();
+                let mut res = Ok(());
+                for (slot, r) in out.iter_mut().zip(list.iter()) {
+                    *slot = TpuRet::zeroed();
+                    match r {
+                        Ret::Tensor { handle, dtype, sizes, device } => {
+                            owned.push(*handle);
+                            if res.is_ok() {
+                                res = fill_tensor_ret(slot, *handle, *dtype, sizes, *device);
+                            }
+                        }
+                        Ret::Alias(i) => {
+                            slot.kind = RET_ALIAS;
+                            slot.alias_arg = *i as i32;
+                        }
+                        Ret::AliasElem(i, j) => {
+                            slot.kind = RET_ALIAS_LIST_ELEM;
+                            slot.alias_arg = *i as i32;
+                            slot.i = *j as i64;
+                        }
+                        Ret::List(n) => {
+                            slot.kind = RET_LIST;
+                            slot.i = *n as i64;
+                        }
+                        Ret::Int(v) => {
+                            slot.kind = RET_INT;
+                            slot.i = *v;
+                        }
+                        Ret::Float(v) => {
+                            slot.kind = RET_DOUBLE;
+                            slot.d = *v;
+                        }
+                        Ret::Bool(v) => {
+                            slot.kind = RET_BOOL;
+                            slot.i = *v as i64;
+                        }
+                        Ret::None => slot.kind = RET_NONE,
+                    }
+                }
+                if let Err(e) = res {
+                    for h in owned {
+                        // SAFETY: fresh handles not yet handed to the shim.
+                        drop(unsafe { Box::from_raw(h) });
+                    }
+                    return Err(e);
+                }
+                // SAFETY: nrets is valid per the ABI.
+                unsafe { *nrets = list.len() as i32 };
+                Ok(OK)
+            }
+        }
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn tpu_rs_storage_new(nbytes: i64, device_index: i32) -> *mut c_void {
+    Box::into_raw(Box::new(Storage::new(nbytes, device_index.max(0) as usize))) as *mut c_void
+}
+
+/// # Safety
+/// `handle` comes from tpu_rs_storage_new or a dispatch result, freed once.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_storage_free(handle: *mut c_void) {
+    if handle.is_null() {
+        return;
+    }
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        // SAFETY: the handle is a Box<Storage> freed exactly once (DataPtr deleter).
+        drop(unsafe { Box::from_raw(handle as *mut Storage) });
+    }));
+}
+
+/// # Safety
+/// Valid handles and error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_storage_copy(dst: *mut c_void, src: *mut c_void, nbytes: i64, err: *mut TpuError) -> i32 {
+    guarded(err, "storage copy", || {
+        copy::storage_copy(rt()?, storage(dst), storage(src), nbytes)?;
+        Ok(OK)
+    })
+}
+
+/// # Safety
+/// Valid handle and error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_storage_resize(handle: *mut c_void, new_nbytes: i64, err: *mut TpuError) -> i32 {
+    guarded(err, "storage resize", || {
+        storage(handle).resize(rt()?, new_nbytes)?;
+        Ok(OK)
+    })
+}
+
+/// # Safety
+/// Valid descriptors and error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_copy(src: *const TpuTensor, dst: *const TpuTensor, _non_blocking: i32, err: *mut TpuError) -> i32 {
+    guarded(err, "copy", || {
+        // SAFETY: descriptors filled by the shim.
+        let (s, d) = unsafe { (tensor(&*src), tensor(&*dst)) };
+        copy::copy(rt()?, &s, &d)?;
+        Ok(OK)
+    })
+}
+
+/// # Safety
+/// Valid descriptor, output and error pointers.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_item(t: *const TpuTensor, out: *mut TpuRet, err: *mut TpuError) -> i32 {
+    guarded(err, "item", || {
+        // SAFETY: descriptor filled by the shim; out is writable.
+        let (t, out) = unsafe { (tensor(&*t), &mut *out) };
+        *out = TpuRet::zeroed();
+        match copy::item(rt()?, &t)? {
+            copy::Item::Int(v) => {
+                out.kind = RET_INT;
+                out.i = v;
+            }
+            copy::Item::Float(v) => {
+                out.kind = RET_DOUBLE;
+                out.d = v;
+            }
+            copy::Item::Bool(v) => {
+                out.kind = RET_BOOL;
+                out.i = v as i64;
+            }
+        }
+        Ok(OK)
+    })
+}
+
+#[no_mangle]
+pub extern "C" fn tpu_rs_device_count() -> i32 {
+    catch_unwind(|| runtime::get().map(|r| r.num_devices() as i32).unwrap_or(0)).unwrap_or(0)
+}
+
+/// # Safety
+/// Valid error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_synchronize(_device_index: i32, err: *mut TpuError) -> i32 {
+    guarded(err, "synchronize", || {
+        rt()?.synchronize()?;
+        Ok(OK)
+    })
+}
+
+/// # Safety
+/// Valid op name and error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_fallback_begin(op_name: *const c_char, err: *mut TpuError) -> i32 {
+    // SAFETY: NUL-terminated name per the ABI.
+    let name = unsafe { cstr(op_name) };
+    let r = guarded(err, "fallback", || {
+        if !FALLBACK_ENABLED.load(Ordering::Relaxed) {
+            return Err(runtime::Error::new(
+                ErrorKind::NotImplemented,
+                format!(
+                    "The operator '{name}' is not currently implemented for the tpu device, and the CPU fallback is disabled (torch_pjrt.enable_cpu_fallback = False). Enable the fallback, or move this op to the CPU."
+                ),
+            ));
+        }
+        let base = name.split('.').next().unwrap_or(&name).to_string();
+        if let Ok(rt) = rt() {
+            rt.metrics.fallback(&base);
+        }
+        let first = {
+            let mut w = WARNED.lock().unwrap_or_else(|e| e.into_inner());
+            w.get_or_insert_with(HashSet::new).insert(base.clone())
+        };
+        if first {
+            crate::warn(&format!(
+                "The operator '{name}' is not lowered for the tpu device: it runs on the CPU (copies to and from the host). Set torch_pjrt.enable_cpu_fallback = False to make this an error."
+            ));
+        }
+        Ok(1)
+    });
+    if r == ERROR {
+        0
+    } else {
+        1
+    }
+}
+

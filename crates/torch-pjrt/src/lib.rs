@@ -1,0 +1,162 @@
+#![allow(non_snake_case)]
+//! `torch_pjrt._C`: the Python extension. It initialises the runtime and the C++ shim and
+//! exposes the few calls the Python package needs; ops never pass through Python.
+
+use std::ffi::{c_char, CStr, CString};
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+
+use pyo3::exceptions::{PyRuntimeError, PyUserWarning};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+mod abi;
+mod ffi;
+
+extern "C" {
+    fn tpu_shim_init() -> *const c_char;
+    fn tpu_shim_current_device() -> i32;
+    fn tpu_shim_manual_seed(device_index: i32, seed: u64);
+    fn tpu_shim_initial_seed(device_index: i32) -> u64;
+}
+
+/// Emits a Python UserWarning from any thread.
+pub(crate) fn warn(msg: &str) {
+    Python::with_gil(|py| {
+        let m = CString::new(msg.replace('\0', " ")).unwrap_or_default();
+        let cat = py.get_type::<PyUserWarning>();
+        if let Err(e) = PyErr::warn(py, &cat, &m, 1) {
+            // Warnings turned into errors cannot propagate from inside an op; report it.
+            e.print(py);
+        }
+    });
+}
+
+fn rt() -> PyResult<&'static runtime::Runtime> {
+    runtime::get().map_err(|e| PyRuntimeError::new_err(e.msg))
+}
+
+/// Loads the PJRT plugin, creates the client and registers the device with PyTorch.
+#[pyfunction]
+fn _init(search_dirs: Vec<String>) -> PyResult<()> {
+    let dirs: Vec<PathBuf> = search_dirs.into_iter().map(PathBuf::from).collect();
+    runtime::init(&dirs).map_err(|e| PyRuntimeError::new_err(e.msg))?;
+    // SAFETY: tpu_shim_init is idempotent and returns NULL or a static message.
+    let msg = unsafe { tpu_shim_init() };
+    if !msg.is_null() {
+        // SAFETY: a NUL-terminated static string.
+        let s = unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned();
+        return Err(PyRuntimeError::new_err(format!("registering the tpu device with PyTorch failed: {s}")));
+    }
+    Ok(())
+}
+
+#[pyfunction]
+fn device_count() -> PyResult<usize> {
+    Ok(rt()?.num_devices())
+}
+
+#[pyfunction]
+fn platform_name() -> PyResult<String> {
+    Ok(rt()?.client.platform_name())
+}
+
+#[pyfunction]
+fn device_kind(index: usize) -> PyResult<String> {
+    Ok(rt()?.client.device_kind(index))
+}
+
+#[pyfunction]
+fn plugin_path() -> PyResult<String> {
+    Ok(rt()?.client.plugin().path().display().to_string())
+}
+
+#[pyfunction]
+fn current_device() -> i32 {
+    // SAFETY: plain read of a thread-local in the shim.
+    unsafe { tpu_shim_current_device() }
+}
+
+#[pyfunction]
+fn synchronize(py: Python<'_>) -> PyResult<()> {
+    let rt = rt()?;
+    py.allow_threads(|| rt.synchronize()).map_err(|e| PyRuntimeError::new_err(e.msg))
+}
+
+#[pyfunction]
+fn manual_seed(device: i32, seed: u64) {
+    // SAFETY: the shim creates the device's generator lazily; any index < device_count.
+    unsafe { tpu_shim_manual_seed(device, seed) }
+}
+
+#[pyfunction]
+fn initial_seed(device: i32) -> u64 {
+    // SAFETY: as above.
+    unsafe { tpu_shim_initial_seed(device) }
+}
+
+#[pyfunction]
+fn set_fallback_enabled(on: bool) {
+    ffi::FALLBACK_ENABLED.store(on, Ordering::Relaxed);
+}
+
+#[pyfunction]
+fn fallback_enabled() -> bool {
+    ffi::FALLBACK_ENABLED.load(Ordering::Relaxed)
+}
+
+/// Counters as a dict: scalar counters plus `ops: {name: (native, fallback)}`.
+#[pyfunction]
+fn metrics(py: Python<'_>) -> PyResult<PyObject> {
+    let snap = rt()?.metrics.snapshot();
+    let d = PyDict::new(py);
+    for (k, v) in snap.counters {
+        if k.ends_with("seconds") {
+            d.set_item(k, v)?;
+        } else {
+            d.set_item(k, v as u64)?;
+        }
+    }
+    let ops = PyDict::new(py);
+    for (name, c) in snap.ops {
+        ops.set_item(name, (c.native, c.fallback))?;
+    }
+    d.set_item("ops", ops)?;
+    d.set_item("cached_programs", rt()?.cache.len())?;
+    Ok(d.into_any().unbind())
+}
+
+#[pyfunction]
+fn reset_metrics() -> PyResult<()> {
+    rt()?.metrics.reset();
+    Ok(())
+}
+
+/// Names of the ops with a native lowering rule.
+#[pyfunction]
+fn lowered_ops() -> Vec<&'static str> {
+    lowering_names()
+}
+
+fn lowering_names() -> Vec<&'static str> {
+    runtime::lowered_ops()
+}
+
+#[pymodule]
+fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_init, m)?)?;
+    m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(platform_name, m)?)?;
+    m.add_function(wrap_pyfunction!(device_kind, m)?)?;
+    m.add_function(wrap_pyfunction!(plugin_path, m)?)?;
+    m.add_function(wrap_pyfunction!(current_device, m)?)?;
+    m.add_function(wrap_pyfunction!(synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(manual_seed, m)?)?;
+    m.add_function(wrap_pyfunction!(initial_seed, m)?)?;
+    m.add_function(wrap_pyfunction!(set_fallback_enabled, m)?)?;
+    m.add_function(wrap_pyfunction!(fallback_enabled, m)?)?;
+    m.add_function(wrap_pyfunction!(metrics, m)?)?;
+    m.add_function(wrap_pyfunction!(reset_metrics, m)?)?;
+    m.add_function(wrap_pyfunction!(lowered_ops, m)?)?;
+    Ok(())
+}

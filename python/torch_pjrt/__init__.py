@@ -1,0 +1,119 @@
+"""torch_pjrt: PyTorch's ``tpu`` device on any XLA device, through PJRT.
+
+``import torch_pjrt`` loads a PJRT plugin (libtpu, the XLA CUDA plugin or the XLA CPU
+plugin), registers the ``tpu`` device with PyTorch and the ``torch.tpu`` module. Every op
+on a tpu tensor is lowered in Rust to StableHLO and run by XLA.
+"""
+
+import site
+import sys
+import types
+
+import torch
+
+from . import _C
+
+__all__ = ["metrics", "metrics_report", "reset_metrics", "enable_cpu_fallback", "lowered_ops"]
+
+
+def _search_dirs():
+    dirs = []
+    try:
+        dirs.extend(site.getsitepackages())
+    except AttributeError:
+        pass
+    dirs.extend(p for p in sys.path if p.endswith("site-packages"))
+    return list(dict.fromkeys(dirs))
+
+
+def _register():
+    _C._init(_search_dirs())
+    if torch._C._get_privateuse1_backend_name() != "tpu":
+        torch.utils.rename_privateuse1_backend("tpu")
+    if not hasattr(torch.Tensor, "is_tpu"):
+        torch.utils.generate_methods_for_privateuse1_backend(
+            for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
+        )
+    from . import device as _device
+
+    if not hasattr(torch, "tpu"):
+        torch._register_device_module("tpu", _device)
+    _patch_printing()
+    # Run backward of tpu tensors on the calling thread: autograd's per-device worker
+    # threads outlive the interpreter at exit and abort the process when they drop
+    # Python state during finalization.
+    torch._C._set_multithreading_enabled(False)
+
+
+def _patch_printing():
+    # Formatting a tensor runs a dozen small ops; do them on a host copy (as PyTorch does
+    # for xla tensors) so printing compiles nothing and never falls back.
+    import torch._tensor_str as ts
+
+    if getattr(ts._tensor_str, "_torch_pjrt", False):
+        return
+    orig = ts._tensor_str
+
+    def _tensor_str(self, indent):
+        if self.device.type == "tpu":
+            self = self.detach().cpu()
+        return orig(self, indent)
+
+    _tensor_str._torch_pjrt = True
+    ts._tensor_str = _tensor_str
+
+
+_register()
+
+
+def _autoload():
+    """Entry point for ``torch.backends`` autoloading: importing the package is enough."""
+
+
+def metrics():
+    """Counters since start (or the last ``reset_metrics``).
+
+    Keys: compilations, cache_hits, cache_misses, compile_seconds, executions,
+    host_to_device_bytes, device_to_host_bytes, native_calls, fallback_calls,
+    cached_programs, and ``ops``: {op name: (native calls, fallback calls)}.
+    """
+    return _C.metrics()
+
+
+def reset_metrics():
+    _C.reset_metrics()
+
+
+def metrics_report():
+    """The metrics as a printable table."""
+    m = metrics()
+    lines = ["counter                      value"]
+    for k, v in m.items():
+        if k != "ops":
+            lines.append(f"{k:<28} {v:.4f}" if isinstance(v, float) else f"{k:<28} {v}")
+    lines.append("")
+    lines.append(f"{'op':<44} {'native':>8} {'fallback':>9}")
+    for name, (n, f) in sorted(m["ops"].items(), key=lambda kv: -(kv[1][0] + kv[1][1])):
+        lines.append(f"{name:<44} {n:>8} {f:>9}")
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def lowered_ops():
+    """ATen op names with a native lowering rule."""
+    return list(_C.lowered_ops())
+
+
+class _Module(types.ModuleType):
+    @property
+    def enable_cpu_fallback(self):
+        """Run ops without a lowering on the CPU (True, the default) or raise NotImplementedError."""
+        return _C.fallback_enabled()
+
+    @enable_cpu_fallback.setter
+    def enable_cpu_fallback(self, on):
+        _C.set_fallback_enabled(bool(on))
+
+
+sys.modules[__name__].__class__ = _Module

@@ -1,0 +1,130 @@
+"""The ``torch.tpu`` device module."""
+
+import contextlib
+
+import torch
+
+from . import _C
+
+__all__ = [
+    "is_available",
+    "device_count",
+    "current_device",
+    "set_device",
+    "device",
+    "synchronize",
+    "get_device_name",
+    "manual_seed",
+    "manual_seed_all",
+    "initial_seed",
+    "seed",
+    "is_initialized",
+]
+
+
+def is_available():
+    return _C.device_count() > 0
+
+
+def is_initialized():
+    return True
+
+
+def _lazy_init():
+    pass
+
+
+def _is_in_bad_fork():
+    return False
+
+
+def device_count():
+    """Addressable devices of the PJRT client."""
+    return _C.device_count()
+
+
+def current_device():
+    return _C.current_device()
+
+
+def _index(dev):
+    if dev is None:
+        return current_device()
+    if isinstance(dev, int):
+        return dev
+    dev = torch.device(dev)
+    if dev.type != "tpu":
+        raise ValueError(f"Expected a tpu device, but got: {dev}")
+    return current_device() if dev.index is None else dev.index
+
+
+def set_device(dev):
+    idx = _index(dev)
+    if not 0 <= idx < device_count():
+        raise RuntimeError(f"Invalid device index {idx}: {device_count()} tpu devices are visible")
+    torch.accelerator.set_device_index(idx)
+
+
+@contextlib.contextmanager
+def _device_ctx(dev):
+    prev = current_device()
+    idx = _index(dev)
+    if idx >= 0 and idx != prev:
+        set_device(idx)
+    try:
+        yield
+    finally:
+        if idx >= 0 and idx != prev:
+            set_device(prev)
+
+
+class device:
+    """Context manager that makes ``dev`` the current tpu device."""
+
+    def __init__(self, dev):
+        self._ctx = _device_ctx(dev)
+
+    def __enter__(self):
+        return self._ctx.__enter__()
+
+    def __exit__(self, *exc):
+        return self._ctx.__exit__(*exc)
+
+
+def synchronize(dev=None):
+    """Waits for every op issued so far; raises the first device error."""
+    _C.synchronize()
+
+
+def get_device_name(dev=None):
+    """The PJRT platform of the device (e.g. ``cpu``, ``cuda``, ``tpu``)."""
+    return _C.platform_name()
+
+
+def get_device_properties(dev=None):
+    idx = _index(dev)
+    return {"name": _C.platform_name(), "kind": _C.device_kind(idx), "index": idx,
+            "plugin": _C.plugin_path()}
+
+
+def manual_seed(seed):
+    _C.manual_seed(current_device(), int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+
+
+def manual_seed_all(seed):
+    for i in range(device_count()):
+        _C.manual_seed(i, int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+
+
+def seed():
+    import random
+
+    manual_seed(random.getrandbits(63))
+
+
+def initial_seed():
+    return _C.initial_seed(current_device())
+
+
+def get_amp_supported_dtype():
+    return [torch.float16, torch.bfloat16]
