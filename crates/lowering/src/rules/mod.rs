@@ -10,13 +10,26 @@ use crate::promote::{result_type, Operand};
 use crate::shape::broadcast_all;
 use crate::{Builder, Ctx, DType, LResult, Rule, TensorArg, Value};
 
-pub mod pointwise;
-pub mod reduce;
+pub mod foreach;
+pub mod index;
 pub mod linalg;
+pub mod nn;
+pub mod pointwise;
+pub mod random;
+pub mod reduce;
 pub mod views;
 
 fn families() -> Vec<&'static [(&'static str, Rule)]> {
-    vec![pointwise::RULES, reduce::RULES, linalg::RULES, views::RULES]
+    vec![
+        pointwise::RULES,
+        reduce::RULES,
+        linalg::RULES,
+        views::RULES,
+        index::RULES,
+        nn::RULES,
+        random::RULES,
+        foreach::RULES,
+    ]
 }
 
 fn table() -> &'static HashMap<&'static str, Rule> {

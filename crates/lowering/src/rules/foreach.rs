@@ -1,0 +1,5 @@
+//! foreach rules.
+
+use crate::Rule;
+
+pub const RULES: &[(&str, Rule)] = &[];

@@ -1,0 +1,5 @@
+//! index rules.
+
+use crate::Rule;
+
+pub const RULES: &[(&str, Rule)] = &[];

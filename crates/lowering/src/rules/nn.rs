@@ -1,0 +1,5 @@
+//! nn rules.
+
+use crate::Rule;
+
+pub const RULES: &[(&str, Rule)] = &[];

@@ -1,0 +1,5 @@
+//! random rules.
+
+use crate::Rule;
+
+pub const RULES: &[(&str, Rule)] = &[];
