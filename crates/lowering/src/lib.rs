@@ -61,16 +61,24 @@ pub struct Ctx<'a> {
     pub rng_state: Option<Value>,
     /// Elements of random bits the rule consumed (the runtime advances the generator).
     pub rng_consumed: u64,
+    /// Values to store into tensor arguments the schema does not mark as mutated
+    /// (e.g. BatchNorm's running stats): (argument name, new value).
+    pub writes: Vec<(String, Value)>,
 }
 
 impl<'a> Ctx<'a> {
     pub fn new(b: &'a mut Builder, op: &'a str, overload: &'a str, args: &'a Args) -> Self {
-        Ctx { b, op, overload, args, rng_state: None, rng_consumed: 0 }
+        Ctx { b, op, overload, args, rng_state: None, rng_consumed: 0, writes: Vec::new() }
     }
 
     /// The value of tensor argument `name`.
     pub fn t(&self, name: &str) -> LResult<Value> {
         self.args.tensor(name).map(|t| t.value)
+    }
+
+    /// Asks the runtime to store `v` into tensor argument `name` after the op.
+    pub fn write_arg(&mut self, name: &str, v: Value) {
+        self.writes.push((name.to_string(), v));
     }
 
     /// The RNG state parameter, created on first use.

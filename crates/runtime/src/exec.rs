@@ -418,6 +418,7 @@ fn build(
     };
     let rng_state = ctx.rng_state;
     let rng_consumed = ctx.rng_consumed;
+    let extra_writes = std::mem::take(&mut ctx.writes);
     if rng_state.is_some() {
         inputs.push(Input::Rng { path: gen_path });
     }
@@ -446,23 +447,37 @@ fn build(
                 Out::None => RetShape::None,
             });
         }
-        for v in flat_outs.into_iter().flatten() {
-            let ty = b.ty(v).clone();
-            let flat = b.reshape(v, &[ty.numel()]);
+        for v in flat_outs.iter().flatten() {
+            let ty = b.ty(*v).clone();
+            let flat = b.reshape(*v, &[ty.numel()]);
             results.push(flat);
             outputs.push(Output::New { dtype: ty.dtype, sizes: ty.shape });
         }
-    } else {
+    }
+    let mut writes: Vec<(Path, Value)> = Vec::new();
+    if var != Variant::Functional {
         if flat_outs.len() < targets.len() {
             return Ok(Built::Declined(format!("{op}: rule returned fewer results than outputs")));
         }
-        let mut resize = Vec::new();
         for (path, v) in targets.iter().zip(flat_outs.iter()) {
+            if let Some(v) = v {
+                writes.push((*path, *v));
+            }
+        }
+    }
+    for (name, v) in extra_writes {
+        match params.iter().position(|p| p.name == name) {
+            Some(i) if matches!(params[i].arg, RArg::Tensor(_)) => writes.push(((i, None), v)),
+            _ => return Ok(Built::Declined(format!("{op}: rule writes unknown argument {name}"))),
+        }
+    }
+    {
+        let mut resize = Vec::new();
+        for (path, v) in writes.iter() {
             let t = tensor_at(params, *path);
-            let Some(v) = v else { continue };
             let vt = b.ty(*v).clone();
             if vt.shape != t.view.sizes {
-                if var == Variant::Out && path.1.is_none() {
+                if params[path.0].is_out && path.1.is_none() {
                     resize.push((path.0, vt.shape.clone()));
                     continue;
                 }
