@@ -258,9 +258,13 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
         }
     }
     let ts = tensors(params);
-    if let Some((_, t)) = ts.iter().find(|(_, t)| t.dtype.is_none()) {
-        let _ = t;
+    if ts.iter().any(|(_, t)| t.dtype.is_none()) {
         return Ok(Outcome::Declined(format!("{op}: unsupported dtype")));
+    }
+    if let (Variant::Functional, Some(host_op)) = (var, crate::datadep::find(op)) {
+        let rets = host_op(rt, params)?;
+        rt.metrics.native(op);
+        return Ok(Outcome::Done(rets));
     }
     let device = ts
         .iter()

@@ -9,6 +9,7 @@ pub use stablehlo::DType;
 
 pub mod cache;
 pub mod copy;
+pub mod datadep;
 pub mod exec;
 pub mod host;
 pub mod layout;

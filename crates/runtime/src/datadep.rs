@@ -1,0 +1,115 @@
+//! Ops whose output shape depends on the data (nonzero, masked_select). StableHLO needs
+//! static shapes, so these synchronize: the input is read back, the result computed on the
+//! host and uploaded. They are listed in the README as synchronizing ops.
+
+use std::sync::Arc;
+
+use crate::copy::copy;
+use crate::exec::{Loc, Param, RArg, Ret, TensorRef};
+use crate::layout::View;
+use crate::storage::Storage;
+use crate::{Error, Result, Runtime};
+use lowering::shape::{broadcast_shapes, contiguous_strides};
+use stablehlo::DType;
+
+type HostOp = fn(&Runtime, &[Param]) -> Result<Vec<Ret>>;
+
+/// Ops handled here instead of by a lowering rule.
+pub fn find(op: &str) -> Option<HostOp> {
+    match op {
+        "aten::nonzero" => Some(nonzero),
+        "aten::masked_select" => Some(masked_select),
+        _ => None,
+    }
+}
+
+fn tensor<'a>(params: &'a [Param], name: &str) -> Result<&'a TensorRef> {
+    params
+        .iter()
+        .find(|p| p.name == name)
+        .and_then(|p| match &p.arg {
+            RArg::Tensor(t) => Some(t),
+            _ => None,
+        })
+        .ok_or_else(|| Error::runtime(format!("missing tensor argument {name}")))
+}
+
+/// The view's elements, contiguous, in `dtype`, on the host.
+fn host_bytes(rt: &Runtime, t: &TensorRef, sizes: &[i64], dtype: DType) -> Result<Vec<u8>> {
+    let n: i64 = sizes.iter().product();
+    let mut bytes = vec![0u8; (n.max(1) as usize) * dtype.size()];
+    let dst = TensorRef {
+        loc: Loc::Host(bytes.as_mut_ptr()),
+        dtype: Some(dtype),
+        view: View { sizes: sizes.to_vec(), strides: contiguous_strides(sizes), offset: 0 },
+        nbytes: bytes.len() as i64,
+        wrapped: false,
+        device: 0,
+    };
+    if n > 0 {
+        copy(rt, t, &dst)?;
+    }
+    bytes.truncate(n as usize * dtype.size());
+    Ok(bytes)
+}
+
+fn new_tensor(rt: &Runtime, bytes: &[u8], dtype: DType, sizes: Vec<i64>, device: usize) -> Result<Ret> {
+    let n: i64 = sizes.iter().product();
+    let buf = rt.upload(bytes, dtype, &[n], device)?;
+    let s = Box::new(Storage::with_buffer(Arc::new(buf), dtype, device));
+    Ok(Ret::Tensor { handle: Box::into_raw(s), dtype, sizes, device })
+}
+
+fn nonzero(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    let t = tensor(params, "self")?;
+    let sizes = t.view.sizes.clone();
+    // Read as bool: "element != 0" with PyTorch's semantics for -0.0 and NaN.
+    let mask = host_bytes(rt, t, &sizes, DType::Bool)?;
+    let strides = contiguous_strides(&sizes);
+    let mut out: Vec<u8> = Vec::new();
+    let mut count = 0i64;
+    for (i, m) in mask.iter().enumerate() {
+        if *m != 0 {
+            count += 1;
+            for (d, st) in strides.iter().enumerate() {
+                let coord = (i as i64 / st) % sizes[d].max(1);
+                out.extend_from_slice(&coord.to_le_bytes());
+            }
+        }
+    }
+    Ok(vec![new_tensor(rt, &out, DType::I64, vec![count, sizes.len() as i64], t.device)?])
+}
+
+fn masked_select(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    let t = tensor(params, "self")?;
+    let m = tensor(params, "mask")?;
+    let dtype = t.dtype.ok_or_else(|| Error::runtime("masked_select: unsupported dtype"))?;
+    let shape = broadcast_shapes(&t.view.sizes, &m.view.sizes).map_err(|e| match e {
+        lowering::LowerError::User(k, msg) => Error::new(k, msg),
+        lowering::LowerError::Declined(w) => Error::runtime(w),
+    })?;
+    let values = host_bytes(rt, &expand(t, &shape), &shape, dtype)?;
+    let mask = host_bytes(rt, &expand(m, &shape), &shape, DType::Bool)?;
+    let k = dtype.size();
+    let mut out = Vec::new();
+    for (i, b) in mask.iter().enumerate() {
+        if *b != 0 {
+            out.extend_from_slice(&values[i * k..(i + 1) * k]);
+        }
+    }
+    let n = (out.len() / k) as i64;
+    let device = if matches!(t.loc, Loc::Device(_)) { t.device } else { m.device };
+    Ok(vec![new_tensor(rt, &out, dtype, vec![n], device)?])
+}
+
+/// The tensor viewed with broadcast strides (stride 0 on expanded dims).
+fn expand(t: &TensorRef, shape: &[i64]) -> TensorRef {
+    let off = shape.len() - t.view.sizes.len();
+    let mut strides = vec![0; shape.len()];
+    for (i, (s, st)) in t.view.sizes.iter().zip(&t.view.strides).enumerate() {
+        strides[off + i] = if *s == shape[off + i] { *st } else { 0 };
+    }
+    let mut e = t.clone();
+    e.view = View { sizes: shape.to_vec(), strides, offset: t.view.offset };
+    e
+}
