@@ -242,8 +242,63 @@ fn variant(op: &str, params: &[Param]) -> Variant {
     }
 }
 
+/// Python floats that change between calls (learning rates, bias corrections) are passed
+/// to these ops as wrapped 0-d inputs instead of constants, so new values reuse the program.
+fn dynamic_scalars(op: &str, name: &str) -> bool {
+    let base = op.trim_start_matches("aten::").trim_end_matches('_');
+    let op_ok = base.starts_with("_foreach_")
+        || matches!(base, "add" | "sub" | "rsub" | "mul" | "div" | "addcmul" | "addcdiv" | "lerp");
+    op_ok && matches!(name, "alpha" | "value" | "other" | "weight" | "scalar" | "scalars" | "exponent")
+}
+
+/// Replaces dynamic float scalars by host 0-d f64 tensors pointing into `store`.
+fn wrap_scalars(op: &str, params: &[Param], store: &mut Vec<f64>) -> Option<Vec<Param>> {
+    let count = |a: &RArg| match a {
+        RArg::Float(_) => 1,
+        RArg::List(items) => items.iter().filter(|x| matches!(x, RArg::Float(_))).count(),
+        _ => 0,
+    };
+    let n: usize = params.iter().filter(|p| dynamic_scalars(op, &p.name)).map(|p| count(&p.arg)).sum();
+    if n == 0 {
+        return None;
+    }
+    store.reserve_exact(n);
+    let mut wrap = |f: f64| {
+        store.push(f);
+        let ptr = store.last_mut().expect("pushed") as *mut f64 as *mut u8;
+        RArg::Tensor(TensorRef {
+            loc: Loc::Host(ptr),
+            dtype: Some(DType::F64),
+            view: View { sizes: vec![], strides: vec![], offset: 0 },
+            nbytes: 8,
+            wrapped: true,
+            device: 0,
+        })
+    };
+    let out = params
+        .iter()
+        .map(|p| {
+            let mut p = p.clone();
+            if dynamic_scalars(op, &p.name) {
+                p.arg = match p.arg {
+                    RArg::Float(f) => wrap(f),
+                    RArg::List(items) => RArg::List(
+                        items.into_iter().map(|x| if let RArg::Float(f) = x { wrap(f) } else { x }).collect(),
+                    ),
+                    a => a,
+                };
+            }
+            p
+        })
+        .collect();
+    Some(out)
+}
+
 /// Runs one op.
 pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Result<Outcome> {
+    let mut store = Vec::new();
+    let wrapped = wrap_scalars(op, params, &mut store);
+    let params = wrapped.as_deref().unwrap_or(params);
     let var = variant(op, params);
     // Mutated arguments other than out=/self are not modelled by the rules.
     let odd_write = params.iter().enumerate().any(|(i, p)| {

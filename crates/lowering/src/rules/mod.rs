@@ -129,6 +129,23 @@ pub fn same(d: DType) -> DType {
     d
 }
 
+/// A number argument as a value shaped like `like`: a Python float the runtime passes as a
+/// program input (a wrapped 0-d tensor, so new values do not recompile), or a constant.
+/// None when the argument is absent.
+pub fn scalar_value(c: &mut Ctx, name: &str, like: Value) -> LResult<Option<(Value, Scalar)>> {
+    let ty = c.b.ty(like).clone();
+    if let Some(t) = c.args.opt_tensor(name) {
+        let t = t.clone();
+        let v = c.b.convert(t.value, ty.dtype);
+        let kind = if t.dtype.is_float() { Scalar::Float(f64::NAN) } else { Scalar::Int(0) };
+        return Ok(Some((c.b.broadcast_to(v, &ty.shape), kind)));
+    }
+    match c.args.opt_scalar(name) {
+        Some(s) => Ok(Some((c.b.full(ty.dtype, &ty.shape, s.as_f64()), s))),
+        None => Ok(None),
+    }
+}
+
 /// A scalar constant of `like`'s dtype and shape.
 pub fn splat(b: &mut Builder, like: Value, v: f64) -> Value {
     b.splat(like, v)

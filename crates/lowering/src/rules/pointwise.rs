@@ -1,6 +1,6 @@
 //! Pointwise rules: arithmetic, math functions, comparisons, activations and their backward.
 
-use super::{common, mat, opnd, promote, same, Opnd};
+use super::{common, mat, opnd, promote, same, scalar_value, Opnd};
 use crate::promote::to_float;
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, Value};
 use stablehlo::CmpDir;
@@ -32,19 +32,20 @@ fn cmp(c: &mut Ctx, dir: CmpDir) -> LResult<Vec<Out>> {
 
 /// `other * alpha` when an alpha is given.
 fn scaled_other(c: &mut Ctx, v: Value) -> LResult<Value> {
-    match c.args.opt_scalar("alpha") {
-        Some(a) if a.as_f64() != 1.0 => {
-            let dt = c.b.dtype(v);
-            if !dt.is_float() && matches!(a, crate::args::Scalar::Float(_)) {
+    if matches!(c.args.opt_scalar("alpha"), Some(a) if a.as_f64() == 1.0) {
+        return Ok(v);
+    }
+    match scalar_value(c, "alpha", v)? {
+        Some((k, kind)) => {
+            if !c.b.dtype(v).is_float() && matches!(kind, crate::args::Scalar::Float(_)) {
                 return user_err(
                     ErrorKind::Runtime,
                     "For integral input tensors, argument alpha must not be a floating point number.",
                 );
             }
-            let k = c.b.splat(v, a.as_f64());
             Ok(c.b.mul(v, k))
         }
-        _ => Ok(v),
+        None => Ok(v),
     }
 }
 
@@ -397,16 +398,12 @@ fn lerp(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 fn addc(c: &mut Ctx, divide: bool) -> LResult<Vec<Out>> {
     let (v, _, _) = promote(c, &["self", "tensor1", "tensor2"], same)?;
-    let val = c.args.opt_scalar("value").map(|s| s.as_f64()).unwrap_or(1.0);
-    let b = &mut *c.b;
-    let t = if divide { b.div(v[1], v[2]) } else { b.mul(v[1], v[2]) };
-    let t = if val != 1.0 {
-        let k = b.splat(t, val);
-        b.mul(k, t)
-    } else {
-        t
+    let t = if divide { c.b.div(v[1], v[2]) } else { c.b.mul(v[1], v[2]) };
+    let t = match scalar_value(c, "value", t)? {
+        Some((k, s)) if s.as_f64() != 1.0 => c.b.mul(k, t),
+        _ => t,
     };
-    Ok(vec![Out::T(b.add(v[0], t))])
+    Ok(vec![Out::T(c.b.add(v[0], t))])
 }
 
 fn round(c: &mut Ctx) -> LResult<Vec<Out>> {
