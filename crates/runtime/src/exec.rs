@@ -93,7 +93,7 @@ pub enum Outcome {
 }
 
 /// A tensor argument's position: (param index, list element).
-type Path = (usize, Option<usize>);
+pub(crate) type Path = (usize, Option<usize>);
 
 enum Input {
     Storage { path: Path, dtype: DType },
@@ -107,7 +107,7 @@ enum Output {
 }
 
 #[derive(Clone, Copy)]
-enum RetShape {
+pub(crate) enum RetShape {
     T,
     List(usize),
     None,
@@ -226,7 +226,7 @@ fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> String {
 
 /// How the op's results reach PyTorch.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Variant {
+pub(crate) enum Variant {
     Functional,
     Out,
     Inplace,
@@ -386,7 +386,7 @@ enum Built {
     Resize(Vec<(usize, Vec<i64>)>),
 }
 
-/// One storage used by the program: its current flat value and element type.
+/// One storage used by an op: its current flat value and element type.
 struct Slot {
     ptr: *const Storage,
     dtype: DType,
@@ -402,24 +402,55 @@ fn user(e: LowerError) -> std::result::Result<String, Error> {
     }
 }
 
-fn build(
-    rt: &Runtime,
+/// Where an op's inputs come from: program parameters filled at execution (Strict), or
+/// values of a pending graph (DeferAndFuse).
+pub(crate) trait Sources {
+    /// The flat value of a device storage, as `n` elements of `dtype`.
+    fn storage(&mut self, b: &mut Builder, path: Path, t: &TensorRef, dtype: DType, n: i64) -> Result<Value>;
+    /// A host tensor, contiguous, of its view's shape.
+    fn host(&mut self, b: &mut Builder, path: Path, t: &TensorRef, dtype: DType) -> Result<Value>;
+    /// Binds the RNG parameter the rule created (it consumed `consumed` values).
+    fn rng(&mut self, gen: Option<Path>, consumed: u64) -> Result<()>;
+}
+
+/// What one op became: new tensors and storage writes.
+pub(crate) struct Lowered {
+    pub rets: Vec<RetShape>,
+    /// Functional results, in order.
+    pub new: Vec<Value>,
+    /// Final flat value of each written storage.
+    pub writes: Vec<(Path, DType, Value)>,
+}
+
+pub(crate) enum LowerOutcome {
+    Done(Lowered),
+    Declined(String),
+    Resize(Vec<(usize, Vec<i64>)>),
+}
+
+pub(crate) fn find_rule(op: &str, var: Variant) -> Option<lowering::Rule> {
+    lowering::find_rule(op).or_else(|| {
+        if var == Variant::Inplace {
+            lowering::find_rule(op.trim_end_matches('_'))
+        } else {
+            None
+        }
+    })
+}
+
+/// Lowers one op into `b`: reads its views, runs its rule, writes out=/in-place results.
+pub(crate) fn lower_into(
+    b: &mut Builder,
+    src: &mut dyn Sources,
     op: &str,
     overload: &str,
     device: usize,
     params: &[Param],
     var: Variant,
-) -> Result<Built> {
-    let rule = match lowering::find_rule(op) {
-        Some(r) => r,
-        None if var == Variant::Inplace => match lowering::find_rule(op.trim_end_matches('_')) {
-            Some(r) => r,
-            None => return Ok(Built::Declined(format!("no lowering rule for {op}"))),
-        },
-        None => return Ok(Built::Declined(format!("no lowering rule for {op}"))),
+) -> Result<LowerOutcome> {
+    let Some(rule) = find_rule(op, var) else {
+        return Ok(LowerOutcome::Declined(format!("no lowering rule for {op}")));
     };
-    let mut b = Builder::new();
-    let mut inputs = Vec::new();
     let mut slots: Vec<Slot> = Vec::new();
     let mut values: HashMap<Path, Value> = HashMap::new();
     for (path, t) in tensors(params) {
@@ -429,8 +460,7 @@ fn build(
         let dtype = t.dtype.expect("checked");
         match t.loc {
             Loc::Host(_) => {
-                let v = b.param(TensorType::new(dtype, &t.view.sizes));
-                inputs.push(Input::Host { path, dtype });
+                let v = src.host(b, path, t, dtype)?;
                 values.insert(path, v);
             }
             Loc::Device(p) => {
@@ -444,17 +474,16 @@ fn build(
                     Some(i) => i,
                     None => {
                         let n = t.nbytes / dtype.size() as i64;
-                        let flat = b.param(TensorType::new(dtype, &[n]));
-                        inputs.push(Input::Storage { path, dtype });
+                        let flat = src.storage(b, path, t, dtype, n)?;
                         slots.push(Slot { ptr: p, dtype, n, value: Some(flat), dirty_path: None });
                         slots.len() - 1
                     }
                 };
                 if slots[si].dtype != dtype {
-                    return Ok(Built::Declined("one storage read as two dtypes".into()));
+                    return Ok(LowerOutcome::Declined("one storage read as two dtypes".into()));
                 }
                 let flat = slots[si].value.expect("read slot has a value");
-                values.insert(path, layout::read(&mut b, flat, &t.view));
+                values.insert(path, layout::read(b, flat, &t.view));
             }
         }
     }
@@ -470,21 +499,17 @@ fn build(
         }
         args.items.push((p.name.clone(), to_arg(&p.arg, i, None, &values)));
     }
-    let mut ctx = Ctx::new(&mut b, op, overload, &args);
+    let mut ctx = Ctx::new(b, op, overload, &args);
     let outs = match rule(&mut ctx) {
         Ok(o) => o,
-        Err(e) => return Ok(Built::Declined(user(e)?)),
+        Err(e) => return Ok(LowerOutcome::Declined(user(e)?)),
     };
-    let rng_state = ctx.rng_state;
+    let rng_used = ctx.rng_state.is_some();
     let rng_consumed = ctx.rng_consumed;
     let extra_writes = std::mem::take(&mut ctx.writes);
-    if rng_state.is_some() {
-        inputs.push(Input::Rng { path: gen_path });
+    if rng_used {
+        src.rng(gen_path, rng_consumed)?;
     }
-    // Results: new tensors, or writes into out=/self.
-    let mut outputs = Vec::new();
-    let mut results = Vec::new();
-    let mut rets = Vec::new();
     let targets: Vec<Path> = match var {
         Variant::Functional => vec![],
         Variant::Out => tensors(params).into_iter().filter(|(p, _)| params[p.0].is_out).map(|(p, _)| p).collect(),
@@ -498,25 +523,21 @@ fn build(
             Out::None => vec![None],
         })
         .collect();
+    let mut lowered = Lowered { rets: Vec::new(), new: Vec::new(), writes: Vec::new() };
     if var == Variant::Functional {
         for o in &outs {
-            rets.push(match o {
+            lowered.rets.push(match o {
                 Out::T(_) => RetShape::T,
                 Out::List(v) => RetShape::List(v.len()),
                 Out::None => RetShape::None,
             });
         }
-        for v in flat_outs.iter().flatten() {
-            let ty = b.ty(*v).clone();
-            let flat = b.reshape(*v, &[ty.numel()]);
-            results.push(flat);
-            outputs.push(Output::New { dtype: ty.dtype, sizes: ty.shape });
-        }
+        lowered.new = flat_outs.iter().flatten().copied().collect();
     }
     let mut writes: Vec<(Path, Value)> = Vec::new();
     if var != Variant::Functional {
         if flat_outs.len() < targets.len() {
-            return Ok(Built::Declined(format!("{op}: rule returned fewer results than outputs")));
+            return Ok(LowerOutcome::Declined(format!("{op}: rule returned fewer results than outputs")));
         }
         for (path, v) in targets.iter().zip(flat_outs.iter()) {
             if let Some(v) = v {
@@ -527,71 +548,116 @@ fn build(
     for (name, v) in extra_writes {
         match params.iter().position(|p| p.name == name) {
             Some(i) if matches!(params[i].arg, RArg::Tensor(_)) => writes.push(((i, None), v)),
-            _ => return Ok(Built::Declined(format!("{op}: rule writes unknown argument {name}"))),
+            _ => return Ok(LowerOutcome::Declined(format!("{op}: rule writes unknown argument {name}"))),
         }
     }
-    {
-        let mut resize = Vec::new();
-        for (path, v) in writes.iter() {
-            let t = tensor_at(params, *path);
-            let vt = b.ty(*v).clone();
-            if vt.shape != t.view.sizes {
-                if params[path.0].is_out && path.1.is_none() {
-                    resize.push((path.0, vt.shape.clone()));
-                    continue;
-                }
-                return Err(Error::runtime(format!(
-                    "output with shape {} doesn't match the broadcast shape {}",
-                    shape_str(&t.view.sizes),
-                    shape_str(&vt.shape)
-                )));
+    let mut resize = Vec::new();
+    for (path, v) in writes.iter() {
+        let t = tensor_at(params, *path);
+        let vt = b.ty(*v).clone();
+        if vt.shape != t.view.sizes {
+            if params[path.0].is_out && path.1.is_none() {
+                resize.push((path.0, vt.shape.clone()));
+                continue;
             }
-            let tdt = t.dtype.expect("checked");
-            if !can_cast(vt.dtype, tdt) {
-                return Err(Error::runtime(format!(
-                    "result type {} can't be cast to the desired output type {}",
-                    torch_name(vt.dtype),
-                    torch_name(tdt)
-                )));
-            }
-            let p = match t.loc {
-                Loc::Device(p) => p,
-                Loc::Host(_) => return Ok(Built::Declined("out= tensor on the CPU".into())),
-            };
-            let val = b.convert(*v, tdt);
-            let si = match slots.iter().position(|s| s.ptr == p) {
-                Some(i) => i,
-                None => {
-                    slots.push(Slot { ptr: p, dtype: tdt, n: t.nbytes / tdt.size() as i64, value: None, dirty_path: None });
-                    slots.len() - 1
-                }
-            };
-            if slots[si].dtype != tdt {
-                return Ok(Built::Declined("one storage written as two dtypes".into()));
-            }
-            let n = slots[si].n;
-            let cur = match slots[si].value {
-                Some(c) => c,
-                None if t.view.is_whole(n) => b.full(tdt, &[n], 0.0),
-                None => {
-                    let flat = b.param(TensorType::new(tdt, &[n]));
-                    inputs.push(Input::Storage { path: *path, dtype: tdt });
-                    flat
-                }
-            };
-            let new = layout::write(&mut b, cur, &t.view, val);
-            slots[si].value = Some(new);
-            slots[si].dirty_path = Some(*path);
+            return Err(Error::runtime(format!(
+                "output with shape {} doesn't match the broadcast shape {}",
+                shape_str(&t.view.sizes),
+                shape_str(&vt.shape)
+            )));
         }
-        if !resize.is_empty() {
-            return Ok(Built::Resize(resize));
+        let tdt = t.dtype.expect("checked");
+        if !can_cast(vt.dtype, tdt) {
+            return Err(Error::runtime(format!(
+                "result type {} can't be cast to the desired output type {}",
+                torch_name(vt.dtype),
+                torch_name(tdt)
+            )));
         }
-        for s in &slots {
-            if let (Some(path), Some(v)) = (s.dirty_path, s.value) {
-                results.push(v);
-                outputs.push(Output::Write { path, dtype: s.dtype });
+        let p = match t.loc {
+            Loc::Device(p) => p,
+            Loc::Host(_) => return Ok(LowerOutcome::Declined("out= tensor on the CPU".into())),
+        };
+        let val = b.convert(*v, tdt);
+        let si = match slots.iter().position(|s| s.ptr == p) {
+            Some(i) => i,
+            None => {
+                slots.push(Slot { ptr: p, dtype: tdt, n: t.nbytes / tdt.size() as i64, value: None, dirty_path: None });
+                slots.len() - 1
             }
+        };
+        if slots[si].dtype != tdt {
+            return Ok(LowerOutcome::Declined("one storage written as two dtypes".into()));
         }
+        let n = slots[si].n;
+        let cur = match slots[si].value {
+            Some(c) => c,
+            // A whole-storage write ignores the old contents.
+            None if t.view.is_whole(n) => b.full(tdt, &[n], 0.0),
+            None => src.storage(b, *path, t, tdt, n)?,
+        };
+        let new = layout::write(b, cur, &t.view, val);
+        slots[si].value = Some(new);
+        slots[si].dirty_path = Some(*path);
+    }
+    if !resize.is_empty() {
+        return Ok(LowerOutcome::Resize(resize));
+    }
+    for s in &slots {
+        if let (Some(path), Some(v)) = (s.dirty_path, s.value) {
+            lowered.writes.push((path, s.dtype, v));
+        }
+    }
+    Ok(LowerOutcome::Done(lowered))
+}
+
+/// Strict sources: every input is a parameter bound at execution.
+struct ProgramInputs {
+    inputs: Vec<Input>,
+    rng_consumed: u64,
+}
+
+impl Sources for ProgramInputs {
+    fn storage(&mut self, b: &mut Builder, path: Path, _t: &TensorRef, dtype: DType, n: i64) -> Result<Value> {
+        self.inputs.push(Input::Storage { path, dtype });
+        Ok(b.param(TensorType::new(dtype, &[n])))
+    }
+    fn host(&mut self, b: &mut Builder, path: Path, t: &TensorRef, dtype: DType) -> Result<Value> {
+        self.inputs.push(Input::Host { path, dtype });
+        Ok(b.param(TensorType::new(dtype, &t.view.sizes)))
+    }
+    fn rng(&mut self, gen: Option<Path>, consumed: u64) -> Result<()> {
+        self.inputs.push(Input::Rng { path: gen });
+        self.rng_consumed = consumed;
+        Ok(())
+    }
+}
+
+fn build(
+    rt: &Runtime,
+    op: &str,
+    overload: &str,
+    device: usize,
+    params: &[Param],
+    var: Variant,
+) -> Result<Built> {
+    let mut b = Builder::new();
+    let mut src = ProgramInputs { inputs: Vec::new(), rng_consumed: 0 };
+    let low = match lower_into(&mut b, &mut src, op, overload, device, params, var)? {
+        LowerOutcome::Done(l) => l,
+        LowerOutcome::Declined(w) => return Ok(Built::Declined(w)),
+        LowerOutcome::Resize(r) => return Ok(Built::Resize(r)),
+    };
+    let mut results = Vec::new();
+    let mut outputs = Vec::new();
+    for v in &low.new {
+        let ty = b.ty(*v).clone();
+        results.push(b.reshape(*v, &[ty.numel()]));
+        outputs.push(Output::New { dtype: ty.dtype, sizes: ty.shape });
+    }
+    for (path, dtype, v) in &low.writes {
+        results.push(*v);
+        outputs.push(Output::Write { path: *path, dtype: *dtype });
     }
     let mlir = b.finish(&results);
     if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
@@ -610,7 +676,7 @@ fn build(
         ))
     })?;
     rt.metrics.compiled(t0.elapsed().as_secs_f64());
-    Ok(Built::Program(Program { exe, inputs, outputs, rets, rng_consumed }))
+    Ok(Built::Program(Program { exe, inputs: src.inputs, outputs, rets: low.rets, rng_consumed: src.rng_consumed }))
 }
 
 fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -> Arg {
