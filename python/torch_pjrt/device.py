@@ -1,6 +1,9 @@
 """The ``torch.tpu`` device module."""
 
 import contextlib
+import enum
+import sys
+import types
 
 import torch
 
@@ -19,7 +22,44 @@ __all__ = [
     "initial_seed",
     "seed",
     "is_initialized",
+    "EagerMode",
+    "set_eager_mode",
 ]
+
+
+class EagerMode(enum.Enum):
+    """How eager ops run (TorchTPU's modes).
+
+    DEFER_NEVER: Strict, the default: each op is dispatched asynchronously, like CUDA.
+    DEFER_NEVER_AND_LAUNCH_BLOCKING: Debug: waits on every op (TORCH_TPU_LAUNCH_BLOCKING=1).
+    DEFER_AND_FUSE: records ops and runs them as one fused program at synchronization
+    points (TORCH_TPU_DEFER_AND_FUSE=1).
+    """
+
+    DEFER_NEVER = 0
+    DEFER_NEVER_AND_LAUNCH_BLOCKING = 1
+    DEFER_AND_FUSE = 2
+
+
+def _get_mode():
+    return EagerMode(_C.eager_mode())
+
+
+def _set_mode(mode):
+    if not isinstance(mode, EagerMode):
+        raise TypeError(f"expected a torch.tpu.EagerMode, got {type(mode).__name__}")
+    _C.set_eager_mode(mode.value)
+
+
+@contextlib.contextmanager
+def set_eager_mode(mode):
+    """Runs the body in `mode`, restoring the previous mode afterwards (also on error)."""
+    prev = _get_mode()
+    _set_mode(mode)
+    try:
+        yield
+    finally:
+        _set_mode(prev)
 
 
 def is_available():
@@ -128,3 +168,17 @@ def initial_seed():
 
 def get_amp_supported_dtype():
     return [torch.float16, torch.bfloat16]
+
+
+class _DeviceModule(types.ModuleType):
+    @property
+    def eager_mode(self):
+        """The current EagerMode; assign to change it (pending deferred work runs first)."""
+        return _get_mode()
+
+    @eager_mode.setter
+    def eager_mode(self, mode):
+        _set_mode(mode)
+
+
+sys.modules[__name__].__class__ = _DeviceModule

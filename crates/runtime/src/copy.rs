@@ -35,7 +35,7 @@ pub fn copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
                 // SAFETY: PyTorch keeps the source alive; its view lies in its storage.
                 let bytes = unsafe { host::read(sp, &src.view, sdt.size()) };
                 let buf = rt.upload(&bytes, ddt, &[n], dst.device)?;
-                storage.set(Arc::new(buf), ddt);
+                storage.set(Arc::new(buf), ddt)?;
                 return Ok(());
             }
             device_copy(rt, src, dst)
@@ -87,7 +87,7 @@ fn converted(rt: &Runtime, src: &TensorRef, dtype: DType, sizes: &[i64]) -> Resu
             Some(Ret::Tensor { handle, .. }) => {
                 // SAFETY: dispatch returns a fresh Box<Storage> that we own.
                 let s = unsafe { Box::from_raw(handle) };
-                let (buf, _) = s.current().ok_or_else(|| Error::runtime("copy produced no buffer"))?;
+                let (buf, _) = s.current()?.ok_or_else(|| Error::runtime("copy produced no buffer"))?;
                 Ok(buf)
             }
             _ => Err(Error::runtime("copy produced no tensor")),

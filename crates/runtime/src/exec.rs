@@ -140,7 +140,7 @@ fn tensors(params: &[Param]) -> Vec<(Path, &TensorRef)> {
     v
 }
 
-fn tensor_at(params: &[Param], path: Path) -> &TensorRef {
+pub(crate) fn tensor_at(params: &[Param], path: Path) -> &TensorRef {
     let a = &params[path.0].arg;
     let a = match (a, path.1) {
         (RArg::List(items), Some(j)) => &items[j],
@@ -326,6 +326,10 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
         .find(|(_, t)| matches!(t.loc, Loc::Device(_)))
         .map(|(_, t)| t.device)
         .unwrap_or(0);
+    let mode = crate::mode::get();
+    if mode == crate::mode::EagerMode::DeferAndFuse {
+        return rt.record(op, overload, device, params, var);
+    }
     let k = key(op, overload, device, params);
     let prog = match rt.cache.get(&k) {
         Some(p) => {
@@ -345,17 +349,17 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
             }
         }
     };
-    let new = execute(rt, &prog, params)?;
+    let new = execute(rt, op, &prog, params)?;
     rt.metrics.native(op);
-    Ok(Outcome::Done(returns(&prog, params, var, new)))
+    Ok(Outcome::Done(returns_of(&prog.rets, params, var, new)))
 }
 
-fn returns(prog: &Program, params: &[Param], var: Variant, new: Vec<Ret>) -> Vec<Ret> {
+pub(crate) fn returns_of(shapes: &[RetShape], params: &[Param], var: Variant, new: Vec<Ret>) -> Vec<Ret> {
     match var {
         Variant::Functional => {
             let mut it = new.into_iter();
             let mut rets = Vec::new();
-            for r in &prog.rets {
+            for r in shapes {
                 match r {
                     RetShape::T => rets.extend(it.next()),
                     RetShape::List(n) => {
@@ -679,6 +683,31 @@ fn build(
     Ok(Built::Program(Program { exe, inputs: src.inputs, outputs, rets: low.rets, rng_consumed: src.rng_consumed }))
 }
 
+/// Debug mode: wait for the op, so its error is raised here; optionally check NaN/Inf.
+fn debug_check(rt: &Runtime, op: &str, params: &[Param], outs: &[Arc<pjrt::Buffer>]) -> Result<()> {
+    let shapes = || {
+        tensors(params).iter().map(|(_, t)| shape_str(&t.view.sizes)).collect::<Vec<_>>().join(", ")
+    };
+    for b in outs {
+        b.ready().map_err(|e| Error::runtime(format!("{op} failed on the tpu device (inputs {}): {}", shapes(), e.message)))?;
+    }
+    if crate::mode::check_nans() {
+        for b in outs {
+            let ty = crate::from_pjrt(b.element_type());
+            if let Some(ty) = ty.filter(|t| t.is_float()) {
+                let bytes = rt.download(b)?;
+                if crate::host::has_nan_or_inf(&bytes, ty) {
+                    return Err(Error::runtime(format!(
+                        "{op} produced NaN or Inf (TORCH_TPU_CHECK_NANS=1); input shapes: {}",
+                        shapes()
+                    )));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -> Arg {
     match a {
         RArg::None => Arg::None,
@@ -701,7 +730,7 @@ fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -
     }
 }
 
-fn execute(rt: &Runtime, prog: &Program, params: &[Param]) -> Result<Vec<Ret>> {
+fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<Vec<Ret>> {
     let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(prog.inputs.len());
     let mut device = 0;
     for inp in &prog.inputs {
@@ -747,7 +776,11 @@ fn execute(rt: &Runtime, prog: &Program, params: &[Param]) -> Result<Vec<Ret>> {
     let outs = prog.exe.execute(&refs)?;
     rt.metrics.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let outs: Vec<Arc<pjrt::Buffer>> = outs.into_iter().map(Arc::new).collect();
-    rt.track(&outs);
+    if crate::mode::get() == crate::mode::EagerMode::Debug {
+        debug_check(rt, op, params, &outs)?;
+    } else {
+        rt.track(op, &outs);
+    }
     let mut new = Vec::new();
     for (o, buf) in prog.outputs.iter().zip(outs) {
         match o {
@@ -757,7 +790,7 @@ fn execute(rt: &Runtime, prog: &Program, params: &[Param]) -> Result<Vec<Ret>> {
                 new.push(Ret::Tensor { handle: Box::into_raw(s), dtype: *dtype, sizes: sizes.clone(), device: dev });
             }
             Output::Write { path, dtype } => {
-                tensor_at(params, *path).storage().expect("device tensor").set(buf, *dtype);
+                tensor_at(params, *path).storage().expect("device tensor").set(buf, *dtype)?;
             }
         }
     }

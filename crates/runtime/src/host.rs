@@ -61,3 +61,18 @@ pub unsafe fn write(base: *mut u8, view: &View, itemsize: usize, data: &[u8]) {
         i += itemsize;
     });
 }
+
+/// True if any element of a contiguous float buffer is NaN or infinite.
+pub fn has_nan_or_inf(bytes: &[u8], dtype: stablehlo::DType) -> bool {
+    use stablehlo::DType;
+    match dtype {
+        DType::F32 => bytes.chunks_exact(4).any(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
+        DType::F64 => bytes.chunks_exact(8).any(|c| {
+            !f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]).is_finite()
+        }),
+        // Exponent all ones: 5 bits for half, 8 for bfloat16.
+        DType::F16 => bytes.chunks_exact(2).any(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7C00 == 0x7C00),
+        DType::BF16 => bytes.chunks_exact(2).any(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7F80 == 0x7F80),
+        _ => false,
+    }
+}

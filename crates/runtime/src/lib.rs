@@ -10,10 +10,12 @@ pub use stablehlo::DType;
 pub mod cache;
 pub mod copy;
 pub mod datadep;
+pub mod defer;
 pub mod exec;
 pub mod host;
 pub mod layout;
 pub mod metrics;
+pub mod mode;
 pub mod storage;
 
 pub use exec::{dispatch, Outcome, Param, RArg, Ret, TensorRef};
@@ -50,6 +52,25 @@ impl std::fmt::Display for Error {
 
 pub type Result<T> = std::result::Result<T, Error>;
 
+pub fn from_pjrt(e: pjrt::ElementType) -> Option<DType> {
+    use pjrt::ElementType as E;
+    Some(match e {
+        E::Pred => DType::Bool,
+        E::U8 => DType::U8,
+        E::S8 => DType::I8,
+        E::S16 => DType::I16,
+        E::S32 => DType::I32,
+        E::S64 => DType::I64,
+        E::U32 => DType::U32,
+        E::U64 => DType::U64,
+        E::F16 => DType::F16,
+        E::BF16 => DType::BF16,
+        E::F32 => DType::F32,
+        E::F64 => DType::F64,
+        _ => return None,
+    })
+}
+
 pub fn dtype_to_pjrt(d: DType) -> pjrt::ElementType {
     use pjrt::ElementType as E;
     match d {
@@ -73,8 +94,9 @@ pub struct Runtime {
     pub client: Arc<pjrt::Client>,
     pub cache: cache::Cache,
     pub metrics: metrics::Metrics,
-    /// Output buffers not yet known to be complete, checked at synchronization.
-    pending: Mutex<Vec<Arc<pjrt::Buffer>>>,
+    pub defer: defer::Deferred,
+    /// Output buffers (and the op that made them) not yet known to be complete.
+    pending: Mutex<Vec<(String, Arc<pjrt::Buffer>)>>,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -93,12 +115,15 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
     let plugin = pjrt::Plugin::load(&path)
         .map_err(|e| Error::runtime(format!("loading PJRT plugin {}: {}", path.display(), e.message)))?;
     let client = pjrt::Client::new(plugin)?;
+    let devices = client.num_devices();
     let rt = Runtime {
         client,
         cache: cache::Cache::default(),
         metrics: metrics::Metrics::default(),
+        defer: defer::Deferred::new(devices),
         pending: Mutex::new(Vec::new()),
     };
+    mode::store(mode::from_env());
     let _ = RUNTIME.set(rt);
     Ok(RUNTIME.get().expect("runtime just set"))
 }
@@ -124,21 +149,31 @@ impl Runtime {
         Ok(v)
     }
 
-    pub(crate) fn track(&self, bufs: &[Arc<pjrt::Buffer>]) {
+    pub(crate) fn track(&self, op: &str, bufs: &[Arc<pjrt::Buffer>]) {
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        p.extend(bufs.iter().cloned());
+        p.extend(bufs.iter().map(|b| (op.to_string(), b.clone())));
         if p.len() > 256 {
-            // Keep the list short: drop what has finished.
-            p.retain(|b| !matches!(b.is_ready_nonblocking(), Ok(true)));
+            // Keep the list short: drop what has finished without error.
+            p.retain(|(_, b)| !matches!(b.is_ready_nonblocking(), Ok(true)) || b.ready().is_err());
         }
     }
 
-    /// Waits for every op issued so far; returns the first device error.
+    /// Runs pending graphs and waits for every op issued so far; raises the first
+    /// asynchronous failure, naming its op.
     pub fn synchronize(&self) -> Result<()> {
-        let bufs: Vec<Arc<pjrt::Buffer>> =
-            std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
-        for b in bufs {
-            b.ready().map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
+        self.flush_all("synchronize")?;
+        let bufs = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        for (op, b) in bufs {
+            b.ready().map_err(|e| Error::runtime(format!("{op} failed on the tpu device: {}", e.message)))?;
+        }
+        Ok(())
+    }
+
+    /// Changes the eager mode; pending deferred work runs first.
+    pub fn set_mode(&self, m: mode::EagerMode) -> Result<()> {
+        if m != mode::get() {
+            self.flush_all("mode change")?;
+            mode::store(m);
         }
         Ok(())
     }

@@ -20,6 +20,10 @@ pub struct Metrics {
     pub executions: AtomicU64,
     pub h2d_bytes: AtomicU64,
     pub d2h_bytes: AtomicU64,
+    pub deferred_compilations: AtomicU64,
+    pub flushes: AtomicU64,
+    pub flushed_ops: AtomicU64,
+    flush_reasons: Mutex<BTreeMap<String, u64>>,
 }
 
 /// A plain snapshot of the counters.
@@ -27,6 +31,7 @@ pub struct Metrics {
 pub struct Snapshot {
     pub ops: BTreeMap<String, OpCounts>,
     pub counters: Vec<(&'static str, f64)>,
+    pub flush_reasons: BTreeMap<String, u64>,
 }
 
 impl Metrics {
@@ -43,6 +48,15 @@ impl Metrics {
     pub fn compiled(&self, secs: f64) {
         self.compilations.fetch_add(1, Ordering::Relaxed);
         self.compile_nanos.fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
+    }
+    pub fn compiled_deferred(&self, secs: f64) {
+        self.compiled(secs);
+        self.deferred_compilations.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn flushed(&self, ops: usize, reason: &str) {
+        self.flushes.fetch_add(1, Ordering::Relaxed);
+        self.flushed_ops.fetch_add(ops as u64, Ordering::Relaxed);
+        *self.flush_reasons.lock().unwrap_or_else(|e| e.into_inner()).entry(reason.to_string()).or_default() += 1;
     }
     pub fn add_h2d(&self, n: usize) {
         self.h2d_bytes.fetch_add(n as u64, Ordering::Relaxed);
@@ -64,12 +78,18 @@ impl Metrics {
             ("device_to_host_bytes", g(&self.d2h_bytes)),
             ("native_calls", ops.values().map(|c| c.native).sum::<u64>() as f64),
             ("fallback_calls", ops.values().map(|c| c.fallback).sum::<u64>() as f64),
+            ("compilations_strict", g(&self.compilations) - g(&self.deferred_compilations)),
+            ("compilations_deferred", g(&self.deferred_compilations)),
+            ("flushes", g(&self.flushes)),
+            ("ops_per_flush", g(&self.flushed_ops) / g(&self.flushes).max(1.0)),
         ];
-        Snapshot { ops, counters }
+        let flush_reasons = self.flush_reasons.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        Snapshot { ops, counters, flush_reasons }
     }
 
     pub fn reset(&self) {
         self.ops.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.flush_reasons.lock().unwrap_or_else(|e| e.into_inner()).clear();
         for a in [
             &self.compilations,
             &self.cache_hits,
@@ -78,6 +98,9 @@ impl Metrics {
             &self.executions,
             &self.h2d_bytes,
             &self.d2h_bytes,
+            &self.deferred_compilations,
+            &self.flushes,
+            &self.flushed_ops,
         ] {
             a.store(0, Ordering::Relaxed);
         }

@@ -4,6 +4,7 @@
 //! PJRT buffers are immutable, so a write swaps the buffer; views and in-place ops keep
 //! PyTorch's semantics because every tensor sharing the storage sees the swap.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use stablehlo::DType;
@@ -13,6 +14,8 @@ use crate::{Error, Result, Runtime};
 pub struct Storage {
     pub device: usize,
     inner: Mutex<Inner>,
+    /// Its current value is pending in the device's deferred graph (DeferAndFuse).
+    lazy: AtomicBool,
 }
 
 struct Inner {
@@ -23,12 +26,38 @@ struct Inner {
 
 impl Storage {
     pub fn new(nbytes: i64, device: usize) -> Storage {
-        Storage { device, inner: Mutex::new(Inner { nbytes, buf: None }) }
+        Storage { device, inner: Mutex::new(Inner { nbytes, buf: None }), lazy: AtomicBool::new(false) }
     }
 
     pub fn with_buffer(buf: Arc<pjrt::Buffer>, dtype: DType, device: usize) -> Storage {
         let n = buf.dims().iter().product::<i64>() * dtype.size() as i64;
-        Storage { device, inner: Mutex::new(Inner { nbytes: n, buf: Some((buf, dtype)) }) }
+        Storage {
+            device,
+            inner: Mutex::new(Inner { nbytes: n, buf: Some((buf, dtype)) }),
+            lazy: AtomicBool::new(false),
+        }
+    }
+
+    pub fn is_lazy(&self) -> bool {
+        self.lazy.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn mark_lazy(&self) {
+        self.lazy.store(true, Ordering::Release);
+    }
+
+    /// Runs the pending graph if this storage's value is in it.
+    fn settle(&self) -> Result<()> {
+        if self.is_lazy() {
+            crate::get()?.flush(self.device, "read")?;
+        }
+        Ok(())
+    }
+
+    /// Stores a flushed graph's output (the graph holds its lock).
+    pub(crate) fn set_flushed(&self, buf: Arc<pjrt::Buffer>, dtype: DType) {
+        self.lock().buf = Some((buf, dtype));
+        self.lazy.store(false, Ordering::Release);
     }
 
     pub fn nbytes(&self) -> i64 {
@@ -42,13 +71,15 @@ impl Storage {
     }
 
     /// The buffer and its dtype, if written.
-    pub fn current(&self) -> Option<(Arc<pjrt::Buffer>, DType)> {
-        self.lock().buf.clone()
+    pub fn current(&self) -> Result<Option<(Arc<pjrt::Buffer>, DType)>> {
+        self.settle()?;
+        Ok(self.lock().buf.clone())
     }
 
     /// The flat buffer viewed as `dtype`: re-typed through the host if the storage holds
     /// another element type, zeros if never written.
     pub fn buffer_as(&self, rt: &Runtime, dtype: DType) -> Result<Arc<pjrt::Buffer>> {
+        self.settle()?;
         let mut g = self.lock();
         if let Some((b, d)) = &g.buf {
             if *d == dtype {
@@ -71,14 +102,16 @@ impl Storage {
     }
 
     /// Replaces the contents (the buffer must hold exactly nbytes).
-    pub fn set(&self, buf: Arc<pjrt::Buffer>, dtype: DType) {
+    pub fn set(&self, buf: Arc<pjrt::Buffer>, dtype: DType) -> Result<()> {
+        self.settle()?;
         let mut g = self.lock();
         g.buf = Some((buf, dtype));
+        Ok(())
     }
 
     /// The raw bytes (host copy), zero if never written.
     pub fn bytes(&self, rt: &Runtime) -> Result<Vec<u8>> {
-        let cur = self.current();
+        let cur = self.current()?;
         let n = self.nbytes() as usize;
         match cur {
             Some((b, _)) => {
@@ -106,12 +139,23 @@ impl Storage {
         if nbytes == old {
             return Ok(());
         }
-        if self.current().is_none() {
+        if self.current()?.is_none() {
             self.lock().nbytes = nbytes;
             return Ok(());
         }
         let mut bytes = self.bytes(rt)?;
         bytes.resize(nbytes as usize, 0);
         self.set_bytes(rt, &bytes)
+    }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if self.is_lazy() {
+            // Its pending value is no longer needed: never written out.
+            if let Ok(rt) = crate::get() {
+                rt.defer.forget(self.device, self as *const Storage);
+            }
+        }
     }
 }

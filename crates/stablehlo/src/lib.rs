@@ -140,8 +140,15 @@ impl TensorType {
 }
 
 /// An SSA value of the function being built.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Value(u32);
+
+impl Value {
+    /// Creation order within its builder.
+    pub fn id(self) -> u32 {
+        self.0
+    }
+}
 
 /// Builds one `func.func @main`.
 pub struct Builder {

@@ -485,3 +485,212 @@ pub fn padding_attr(p: &[(i64, i64)]) -> String {
     }
     format!("dense<[{}]> : tensor<{}x2xi64>", rows.join(", "), p.len())
 }
+
+/// Convolution and windowed helpers used by the nn rules.
+impl Builder {
+    /// `convolution` with `lhs` and the result laid out as [batch, feature, spatial...] and
+    /// `rhs` as [out_feature, in_feature, spatial...]. `padding` is (low, high) per spatial
+    /// dim and may be negative. Float operands use HIGHEST precision so results match a
+    /// float32 reference (no TF32 or bf16 passes).
+    #[allow(clippy::too_many_arguments)]
+    pub fn convolution(
+        &mut self,
+        lhs: Value,
+        rhs: Value,
+        strides: &[i64],
+        padding: &[(i64, i64)],
+        lhs_dilation: &[i64],
+        rhs_dilation: &[i64],
+        feature_groups: i64,
+        batch_groups: i64,
+    ) -> Value {
+        let (ls, rs) = (self.shape(lhs), self.shape(rhs));
+        let n = ls.len() - 2;
+        let mut shape = vec![ls[0] / batch_groups, rs[0]];
+        for i in 0..n {
+            let input = (ls[i + 2] - 1).max(0) * lhs_dilation[i] + 1 + padding[i].0 + padding[i].1;
+            let window = (rs[i + 2] - 1) * rhs_dilation[i] + 1;
+            shape.push(if input < window { 0 } else { (input - window) / strides[i] + 1 });
+        }
+        let sp: Vec<String> = (0..n).map(|i| i.to_string()).collect();
+        let sp = sp.join(", ");
+        let sep = if n == 0 { "" } else { ", " };
+        let dtype = self.dtype(lhs);
+        let precision = if dtype.is_float() {
+            ", precision_config = [#stablehlo<precision HIGHEST>, #stablehlo<precision HIGHEST>]"
+        } else {
+            ""
+        };
+        let attrs = format!(
+            "window_strides = {}, padding = {}, lhs_dilation = {}, rhs_dilation = {}, \
+             dimension_numbers = #stablehlo.conv<[b, f{sep}{sp}]x[o, i{sep}{sp}]->[b, f{sep}{sp}]>, \
+             feature_group_count = {feature_groups} : i64, batch_group_count = {batch_groups} : i64{precision}",
+            i64_array(strides),
+            padding_attr(padding),
+            i64_array(lhs_dilation),
+            i64_array(rhs_dilation),
+        );
+        self.op("stablehlo.convolution", &[lhs, rhs], &attrs, TensorType::new(dtype, &shape))
+    }
+
+    /// Reverses `x` along `dims`.
+    pub fn reverse(&mut self, x: Value, dims: &[i64]) -> Value {
+        if dims.is_empty() {
+            return x;
+        }
+        let ty = self.ty(x).clone();
+        let attrs = format!("dimensions = {}", i64_array(dims));
+        self.op("stablehlo.reverse", &[x], &attrs, ty)
+    }
+
+    /// A variadic `reduce_window` with window dilation: `body` gets (acc..., x...) scalars
+    /// and returns the new accs. `padding` is (low, high) per dim, filled with `inits`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn reduce_window_with(
+        &mut self,
+        xs: &[Value],
+        inits: &[Value],
+        window: &[i64],
+        strides: &[i64],
+        window_dilation: &[i64],
+        padding: &[(i64, i64)],
+        body: impl FnOnce(&mut Builder, &[Value]) -> Vec<Value>,
+    ) -> Vec<Value> {
+        let shp = self.shape(xs[0]);
+        let shape: Vec<i64> = (0..shp.len())
+            .map(|i| {
+                let input = shp[i] + padding[i].0 + padding[i].1;
+                let w = (window[i] - 1) * window_dilation[i] + 1;
+                if input < w {
+                    0
+                } else {
+                    (input - w) / strides[i] + 1
+                }
+            })
+            .collect();
+        let scalar_tys: Vec<TensorType> =
+            inits.iter().map(|v| TensorType::scalar(self.dtype(*v))).collect();
+        let mut arg_tys = scalar_tys.clone();
+        arg_tys.extend(scalar_tys.iter().cloned());
+        let region = self.region(&arg_tys, body);
+        let results: Vec<TensorType> =
+            inits.iter().map(|v| TensorType::new(self.dtype(*v), &shape)).collect();
+        let mut ops = xs.to_vec();
+        ops.extend_from_slice(inits);
+        let attrs = format!(
+            "window_dimensions = {}, window_strides = {}, window_dilations = {}, padding = {}",
+            i64_array(window),
+            i64_array(strides),
+            i64_array(window_dilation),
+            padding_attr(padding)
+        );
+        self.op_regions("stablehlo.reduce_window", &ops, &[region], &attrs, &results)
+    }
+}
+
+/// `name = [..]` fields of a dimension-numbers attribute; empty lists are left out.
+fn dim_fields(fields: &[(&str, &[i64])], index_vector_dim: i64) -> String {
+    let mut parts: Vec<String> = fields
+        .iter()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(n, v)| format!("{n} = {}", i64_list(v)))
+        .collect();
+    parts.push(format!("index_vector_dim = {index_vector_dim}"));
+    parts.join(", ")
+}
+
+impl Builder {
+    /// `gather` (argument names as in the StableHLO spec): the result has the batch dims of
+    /// `idx` (all but `index_vector_dim`) and the uncollapsed slice dims at `offset_dims`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather(
+        &mut self,
+        x: Value,
+        idx: Value,
+        offset_dims: &[i64],
+        collapsed_slice_dims: &[i64],
+        start_index_map: &[i64],
+        index_vector_dim: i64,
+        slice_sizes: &[i64],
+    ) -> Value {
+        let is = self.shape(idx);
+        let ivd = index_vector_dim as usize;
+        let mut batch = is
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != ivd)
+            .map(|(_, d)| *d);
+        let mut offs = slice_sizes
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !collapsed_slice_dims.contains(&(*i as i64)))
+            .map(|(_, d)| *d);
+        let rank =
+            is.len() - usize::from(ivd < is.len()) + slice_sizes.len() - collapsed_slice_dims.len();
+        let shape: Vec<i64> = (0..rank as i64)
+            .map(|p| {
+                let d = if offset_dims.contains(&p) {
+                    offs.next()
+                } else {
+                    batch.next()
+                };
+                d.expect("gather: dimension numbers do not match the operand shapes")
+            })
+            .collect();
+        let attrs = format!(
+            "dimension_numbers = #stablehlo.gather<{}>, slice_sizes = {}, indices_are_sorted = false",
+            dim_fields(
+                &[
+                    ("offset_dims", offset_dims),
+                    ("collapsed_slice_dims", collapsed_slice_dims),
+                    ("start_index_map", start_index_map),
+                ],
+                index_vector_dim
+            ),
+            i64_array(slice_sizes)
+        );
+        self.op(
+            "stablehlo.gather",
+            &[x, idx],
+            &attrs,
+            TensorType::new(self.dtype(x), &shape),
+        )
+    }
+
+    /// `scatter` of `upd` into `x` at `idx` (argument names as in the StableHLO spec);
+    /// `combine(current, update)` gives the new element (return the update to overwrite).
+    #[allow(clippy::too_many_arguments)]
+    pub fn scatter(
+        &mut self,
+        x: Value,
+        idx: Value,
+        upd: Value,
+        update_window_dims: &[i64],
+        inserted_window_dims: &[i64],
+        scatter_dims_to_operand_dims: &[i64],
+        index_vector_dim: i64,
+        combine: impl FnOnce(&mut Builder, Value, Value) -> Value,
+    ) -> Value {
+        let ty = self.ty(x).clone();
+        let st = TensorType::scalar(ty.dtype);
+        let region = self.region(&[st.clone(), st], |b, a| vec![combine(b, a[0], a[1])]);
+        let attrs = format!(
+            "scatter_dimension_numbers = #stablehlo.scatter<{}>, indices_are_sorted = false, unique_indices = false",
+            dim_fields(
+                &[
+                    ("update_window_dims", update_window_dims),
+                    ("inserted_window_dims", inserted_window_dims),
+                    ("scatter_dims_to_operand_dims", scatter_dims_to_operand_dims),
+                ],
+                index_vector_dim
+            )
+        );
+        self.op_regions(
+            "stablehlo.scatter",
+            &[x, idx, upd],
+            &[region],
+            &attrs,
+            &[ty],
+        )[0]
+    }
+}

@@ -122,6 +122,11 @@ fn metrics(py: Python<'_>) -> PyResult<PyObject> {
         ops.set_item(name, (c.native, c.fallback))?;
     }
     d.set_item("ops", ops)?;
+    let reasons = PyDict::new(py);
+    for (k, v) in snap.flush_reasons {
+        reasons.set_item(k, v)?;
+    }
+    d.set_item("flush_reasons", reasons)?;
     d.set_item("cached_programs", rt()?.cache.len())?;
     Ok(d.into_any().unbind())
 }
@@ -130,6 +135,21 @@ fn metrics(py: Python<'_>) -> PyResult<PyObject> {
 fn reset_metrics() -> PyResult<()> {
     rt()?.metrics.reset();
     Ok(())
+}
+
+/// The eager mode: 0 Strict, 1 Debug, 2 DeferAndFuse.
+#[pyfunction]
+fn eager_mode() -> u8 {
+    runtime::mode::get() as u8
+}
+
+/// Sets the eager mode (pending deferred work runs first).
+#[pyfunction]
+fn set_eager_mode(py: Python<'_>, mode: u8) -> PyResult<()> {
+    let m = runtime::mode::EagerMode::from_u8(mode)
+        .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown eager mode {mode}")))?;
+    let rt = rt()?;
+    py.allow_threads(|| rt.set_mode(m)).map_err(|e| PyRuntimeError::new_err(e.msg))
 }
 
 /// Names of the ops with a native lowering rule.
@@ -158,5 +178,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(metrics, m)?)?;
     m.add_function(wrap_pyfunction!(reset_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(lowered_ops, m)?)?;
+    m.add_function(wrap_pyfunction!(eager_mode, m)?)?;
+    m.add_function(wrap_pyfunction!(set_eager_mode, m)?)?;
     Ok(())
 }
