@@ -1,0 +1,172 @@
+"""The three eager modes: API, DeferAndFuse caching, mode switches, Debug errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_pjrt
+
+EM = torch.tpu.EagerMode
+
+
+def _mlp(dev, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    ).to(dev)
+
+
+def _train(dev, make_opt, steps, schedule=False, on_step=None):
+    m = _mlp(dev)
+    opt = make_opt(m.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9) if schedule else None
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 16, generator=g).to(dev)
+    y = torch.randint(0, 4, (8,), generator=g).to(dev)
+    losses = []
+    for i in range(steps):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        if sched:
+            sched.step()
+        losses.append(loss.item())
+        if on_step:
+            on_step(i)
+    return losses
+
+
+def test_api_and_context_manager_restores_after_error():
+    assert torch.tpu.eager_mode == EM.DEFER_NEVER
+    torch.tpu.eager_mode = EM.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    assert torch.tpu.eager_mode == EM.DEFER_NEVER_AND_LAUNCH_BLOCKING
+    torch.tpu.eager_mode = EM.DEFER_NEVER
+    with pytest.raises(ZeroDivisionError):
+        with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
+            assert torch.tpu.eager_mode == EM.DEFER_AND_FUSE
+            1 / 0
+    assert torch.tpu.eager_mode == EM.DEFER_NEVER
+    with pytest.raises(TypeError):
+        torch.tpu.eager_mode = 2
+
+
+@pytest.mark.parametrize(
+    "env,expected",
+    [("TORCH_TPU_LAUNCH_BLOCKING", "DEFER_NEVER_AND_LAUNCH_BLOCKING"),
+     ("TORCH_TPU_DEFER_AND_FUSE", "DEFER_AND_FUSE")],
+)
+def test_environment_selects_mode(env, expected):
+    code = "import torch, torch_pjrt; print(torch.tpu.eager_mode.name)"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, env: "1"},
+        capture_output=True, text=True, check=True,
+    )
+    assert out.stdout.strip() == expected
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+        lambda p: torch.optim.AdamW(p, lr=0.01, foreach=True),
+        lambda p: torch.optim.AdamW(p, lr=0.01, foreach=False),
+    ],
+    ids=["sgd", "adamw-foreach", "adamw-single"],
+)
+def test_defer_and_fuse_compiles_nothing_after_second_step(make_opt):
+    cpu = _train("cpu", make_opt, 6, schedule=True)
+    counts = []
+    with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
+        torch_pjrt.reset_metrics()
+        tpu = _train("tpu", make_opt, 6, schedule=True,
+                     on_step=lambda i: counts.append(torch_pjrt.metrics()["compilations"]))
+        m = torch_pjrt.metrics()
+    torch.testing.assert_close(tpu, cpu, rtol=1e-4, atol=1e-6)
+    assert counts[2:] == [counts[1]] * 4, counts
+    assert m["flushes"] >= 6 and m["ops_per_flush"] > 5
+    assert m["fallback_calls"] == 0
+
+
+def test_mode_switch_mid_program_flushes_and_stays_correct():
+    a = torch.randn(32, 32)
+    b = torch.randn(32, 32)
+    ref = ((a @ b).relu() * 2 + a).sum(0)
+    x, y = a.to("tpu"), b.to("tpu")
+    torch_pjrt.reset_metrics()
+    with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
+        z = (x @ y).relu()
+        assert torch_pjrt.metrics()["flushes"] == 0
+    # Leaving DeferAndFuse ran the pending graph.
+    assert torch_pjrt.metrics()["flush_reasons"].get("mode change") == 1
+    z = z * 2
+    with torch.tpu.set_eager_mode(EM.DEFER_NEVER_AND_LAUNCH_BLOCKING):
+        z = z + x
+    with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
+        out = z.sum(0)
+        torch.testing.assert_close(out.cpu(), ref)
+
+
+def test_defer_and_fuse_views_and_inplace():
+    base = torch.arange(12.0).reshape(3, 4)
+    t = base.to("tpu")
+    with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
+        v = t[1:, ::2]
+        v.mul_(10)
+        t.t()[0].add_(1)
+        w = t.clone()
+        t.zero_()
+    base[1:, ::2].mul_(10)
+    base.t()[0].add_(1)
+    torch.testing.assert_close(w.cpu(), base)
+    assert t.cpu().abs().sum().item() == 0
+
+
+def test_intermediates_are_not_written_out():
+    x = torch.randn(64, device="tpu")
+    with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
+        torch_pjrt.reset_metrics()
+        y = x
+        for _ in range(10):
+            y = y * 1.5 + 1.0
+        out = y.sum()
+        del y
+        before = torch_pjrt.metrics()["flushes"]
+        val = out.item()
+        assert torch_pjrt.metrics()["flushes"] == before + 1
+    ref = x.cpu()
+    for _ in range(10):
+        ref = ref * 1.5 + 1.0
+    assert abs(val - ref.sum().item()) < 1e-3
+
+
+def _run_subprocess(code, **env):
+    return subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
+    )
+
+
+def test_debug_mode_nan_check_names_the_op():
+    code = (
+        "import torch, torch_pjrt\n"
+        "x = torch.tensor([1.0, -1.0], device='tpu')\n"
+        "y = x * 2\n"
+        "try:\n"
+        "    z = y.log()\n"
+        "except RuntimeError as e:\n"
+        "    print('ERR', e)\n"
+    )
+    out = _run_subprocess(code, TORCH_TPU_LAUNCH_BLOCKING="1", TORCH_TPU_CHECK_NANS="1")
+    assert "ERR aten::log produced NaN or Inf" in out.stdout, out.stdout + out.stderr
+    assert "[2]" in out.stdout
+
+
+def test_debug_mode_raises_at_the_op():
+    with torch.tpu.set_eager_mode(EM.DEFER_NEVER_AND_LAUNCH_BLOCKING):
+        a = torch.ones(3, device="tpu")
+        with pytest.raises(RuntimeError, match="must match the size"):
+            a + torch.ones(4, device="tpu")
+        assert (a + 1).sum().item() == 6
