@@ -8,7 +8,6 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
 
 use stablehlo::{Builder, DType, TensorType, Value};
 
@@ -210,11 +209,9 @@ impl Runtime {
             }
             None => {
                 self.metrics.cache_misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let t0 = Instant::now();
-                let exe = Arc::new(self.client.compile(&mlir, device).map_err(|e| {
-                    Error::runtime(format!("XLA failed to compile a deferred graph of {} ops: {}", graph.ops, e.message))
+                let exe = Arc::new(self.compile(&mlir, device, true).map_err(|e| {
+                    Error::runtime(format!("XLA failed to compile a deferred graph of {} ops: {}", graph.ops, e.msg))
                 })?);
-                self.metrics.compiled_deferred(t0.elapsed().as_secs_f64());
                 lock(&d.programs).insert(mlir, exe.clone());
                 exe
             }

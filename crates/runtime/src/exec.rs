@@ -7,7 +7,6 @@
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::time::Instant;
 
 use lowering::promote::{can_cast, torch_name};
 use lowering::shape::shape_str;
@@ -667,8 +666,7 @@ fn build(
     if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
         eprintln!("// {op}.{overload}\n{mlir}");
     }
-    let t0 = Instant::now();
-    let exe = rt.client.compile(&mlir, device).map_err(|e| {
+    let exe = rt.compile(&mlir, device, false).map_err(|e| {
         let shapes: Vec<String> = tensors(params)
             .iter()
             .map(|(_, t)| format!("{}{}", dt_name(t.dtype), shape_str(&t.view.sizes)))
@@ -676,10 +674,9 @@ fn build(
         Error::runtime(format!(
             "XLA failed to compile {op}.{overload} for inputs ({}): {}",
             shapes.join(", "),
-            e.message
+            e.msg
         ))
     })?;
-    rt.metrics.compiled(t0.elapsed().as_secs_f64());
     Ok(Built::Program(Program { exe, inputs: src.inputs, outputs, rets: low.rets, rng_consumed: src.rng_consumed }))
 }
 

@@ -169,6 +169,19 @@ impl Runtime {
         Ok(())
     }
 
+    /// Compiles a StableHLO module for `device` (every compilation goes through here).
+    pub fn compile(&self, mlir: &str, device: usize, deferred: bool) -> Result<pjrt::Executable> {
+        let t0 = std::time::Instant::now();
+        let exe = self.client.compile(mlir, device).map_err(|e| Error::runtime(e.message))?;
+        let secs = t0.elapsed().as_secs_f64();
+        if deferred {
+            self.metrics.compiled_deferred(secs);
+        } else {
+            self.metrics.compiled(secs);
+        }
+        Ok(exe)
+    }
+
     /// Changes the eager mode; pending deferred work runs first.
     pub fn set_mode(&self, m: mode::EagerMode) -> Result<()> {
         if m != mode::get() {
