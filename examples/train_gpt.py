@@ -1,12 +1,12 @@
 """Train a small character-level GPT on the ``tpu`` device.
 
-    python examples/train_gpt.py                 # default steps, on tpu
+    python examples/train_gpt.py                 # 1000 steps on tpu: about a minute on 2 cores
     python examples/train_gpt.py --device cpu    # the same run on PyTorch CPU, to compare
     python examples/train_gpt.py --steps 50
 
 The model is written with plain PyTorch (embeddings, LayerNorm, attention spelled out with
-matmul/masked_fill/softmax, GELU MLP, AdamW); ``import torch_pjrt`` and ``.to("tpu")`` are the
-only changes from a CPU script. Every op runs through XLA; ops without a lowering run on the
+matmul/masked_fill/softmax, GELU MLP, AdamW); ``import torch_pjrt`` and ``.to("tpu")`` are
+the only changes from a CPU script. Every op runs through XLA; ops without a lowering run on the
 CPU and are counted, and the run ends by printing that count.
 
 Training text: examples/data/coriolanus.txt, the opening of Shakespeare's *Coriolanus*
@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch_pjrt  # registers the "tpu" device
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "coriolanus.txt")
 
@@ -40,7 +41,9 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(4 * d_model, d_model)
         # True above the diagonal: the future positions each query may not see.
         self.register_buffer(
-            "future", torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), 1), persistent=False
+            "future",
+            torch.triu(torch.ones(seq_len, seq_len, dtype=torch.bool), 1),
+            persistent=False,
         )
 
     def attention(self, x):
@@ -97,7 +100,9 @@ def batches(data, batch, seq_len, gen):
 def progress(step, steps, loss, tok_s, width=30):
     done = width * step // steps
     bar = "#" * done + "." * (width - done)
-    sys.stdout.write(f"\rstep {step:>{len(str(steps))}}/{steps} [{bar}] loss {loss:.4f}  {tok_s:,.0f} tok/s")
+    sys.stdout.write(
+        f"\rstep {step:>{len(str(steps))}}/{steps} [{bar}] loss {loss:.4f}  {tok_s:,.0f} tok/s"
+    )
     sys.stdout.flush()
 
 
@@ -124,7 +129,7 @@ def generate(model, prompt, n, device, temperature, seed):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--device", default="tpu", help="tpu (default) or cpu to compare")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
@@ -135,10 +140,7 @@ def main():
     p.add_argument("--data", default=DATA)
     args = p.parse_args()
 
-    if args.device.startswith("tpu"):
-        import torch_pjrt
-
-        torch_pjrt.reset_metrics()
+    torch_pjrt.reset_metrics()
 
     with open(args.data, encoding="utf-8") as f:
         text = f.read()
@@ -170,7 +172,9 @@ def main():
             progress(step, args.steps, value, tokens * (step - last_step) / (now - last))
             last, last_step = now, step
     elapsed = time.perf_counter() - start
-    print(f"\ntrained {args.steps} steps in {elapsed:.1f} s ({tokens * args.steps / elapsed:,.0f} tok/s)")
+    print(
+        f"\ntrained {args.steps} steps in {elapsed:.1f} s ({tokens * args.steps / elapsed:,.0f} tok/s)"
+    )
 
     model.eval()
     prompt = [stoi[c] for c in "\n"]

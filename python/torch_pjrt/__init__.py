@@ -13,7 +13,16 @@ import torch
 
 from . import _C
 
-__all__ = ["metrics", "metrics_report", "reset_metrics", "enable_cpu_fallback", "lowered_ops"]
+__all__ = [
+    "metrics",
+    "metrics_report",
+    "reset_metrics",
+    "enable_cpu_fallback",
+    "lowered_ops",
+    "cache_info",
+    "clear_cache",
+    "set_cache_dir",
+]
 
 
 def _search_dirs():
@@ -39,10 +48,29 @@ def _register():
     if not hasattr(torch, "tpu"):
         torch._register_device_module("tpu", _device)
     _patch_printing()
+    _claim_composite_ops()
     # Run backward of tpu tensors on the calling thread: autograd's per-device worker
     # threads outlive the interpreter at exit and abort the process when they drop
     # Python state during finalization.
     torch._C._set_multithreading_enabled(False)
+
+
+def _claim_composite_ops():
+    # The _foreach_* ops have composite kernels that would split them into per-tensor ops
+    # before reaching the backend; route every overload with a lowering rule to Rust.
+    names = []
+    for op in _C.lowered_ops():
+        base = op.split("::", 1)[1]
+        if not base.startswith("_foreach_"):
+            continue
+        for variant in (base, base + "_"):
+            packet = getattr(torch.ops.aten, variant, None)
+            if packet is None:
+                continue
+            for ov in packet.overloads():
+                names.append(f"aten::{variant}" + ("" if ov == "default" else f".{ov}"))
+    if names:
+        _C.register_boxed(names)
 
 
 def _patch_printing():
@@ -65,6 +93,9 @@ def _patch_printing():
 
 _register()
 
+from . import compile as _compile  # noqa: E402  (registers the "tpu" Dynamo backend)
+from .compile import export_stablehlo  # noqa: E402
+
 
 def _autoload():
     """Entry point for ``torch.backends`` autoloading: importing the package is enough."""
@@ -73,15 +104,25 @@ def _autoload():
 def metrics():
     """Counters since start (or the last ``reset_metrics``).
 
-    Keys: compilations, cache_hits, cache_misses, compile_seconds, executions,
+    Keys: compilations (real XLA compilations; programs loaded from the disk cache are
+    disk_hits, with load_seconds), cache_hits, cache_misses, compile_seconds, executions,
     host_to_device_bytes, device_to_host_bytes, native_calls, fallback_calls,
     cached_programs, and ``ops``: {op name: (native calls, fallback calls)}.
     """
-    return _C.metrics()
+    m = _C.metrics()
+    m["compile"] = dict(_compile.counters)
+    try:
+        from torch._dynamo.utils import counters as dynamo_counters
+
+        m["compile"]["dynamo_graph_breaks"] = sum(dynamo_counters["graph_break"].values())
+    except Exception:  # noqa: BLE001 - dynamo internals may move
+        pass
+    return m
 
 
 def reset_metrics():
     _C.reset_metrics()
+    _compile.counters.clear()
 
 
 def metrics_report():
@@ -89,7 +130,7 @@ def metrics_report():
     m = metrics()
     lines = ["counter                      value"]
     for k, v in m.items():
-        if k != "ops":
+        if k not in ("ops", "compile", "flush_reasons"):
             lines.append(f"{k:<28} {v:.4f}" if isinstance(v, float) else f"{k:<28} {v}")
     lines.append("")
     lines.append(f"{'op':<44} {'native':>8} {'fallback':>9}")
@@ -98,6 +139,32 @@ def metrics_report():
     text = "\n".join(lines)
     print(text)
     return text
+
+
+def cache_info():
+    """The compilation caches.
+
+    Compiled programs are cached in memory and on disk, in ``TORCH_TPU_CACHE_DIR`` (default
+    ``$XDG_CACHE_HOME/torch_pjrt`` or ``~/.cache/torch_pjrt``; ``""`` turns it off), capped at
+    ``TORCH_TPU_CACHE_MAX_BYTES`` (default 10 GiB, least recently used entries go first).
+    Keys: directory (None: off), entries and bytes on disk, max_bytes, writable,
+    memory_programs, memory_hits/memory_misses, disk_hits/disk_misses (since start or
+    ``reset_metrics``), corrupt_entries, compilations, compile_seconds, load_seconds.
+    """
+    return _C.cache_info()
+
+
+def clear_cache(disk=True):
+    """Empties the in-memory compilation caches and, with ``disk``, the cache directory.
+
+    Returns the number of disk entries deleted.
+    """
+    return _C.clear_cache(bool(disk))
+
+
+def set_cache_dir(path):
+    """Uses ``path`` for the disk compilation cache from now on; None turns it off."""
+    _C.set_cache_dir(None if path is None else str(path))
 
 
 def lowered_ops():

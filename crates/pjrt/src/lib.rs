@@ -365,6 +365,14 @@ impl Client {
         Executable::from_raw(c, raw, device)
     }
 
+    /// The serialized compile options [`Client::compile`] passes for `device` (part of
+    /// what a compiled program depends on, e.g. for cache keys).
+    pub fn compile_options(&self, device: usize) -> Result<Vec<u8>> {
+        let c = &self.inner;
+        c.device(device)?;
+        Ok(compile_options(device, c.device_ids[device]))
+    }
+
     /// Loads an executable produced by [`Executable::serialize`] onto `device`.
     pub fn deserialize(&self, bytes: &[u8], device: usize) -> Result<Executable> {
         let c = &self.inner;

@@ -122,38 +122,11 @@ pub fn item(rt: &Runtime, t: &TensorRef) -> Result<Item> {
         device: 0,
     };
     copy(rt, t, &dst)?;
-    let b = bytes;
-    Ok(match dt {
-        DType::Bool => Item::Bool(b[0] != 0),
-        DType::U8 => Item::Int(b[0] as i64),
-        DType::I8 => Item::Int(b[0] as i8 as i64),
-        DType::I16 => Item::Int(i16::from_le_bytes([b[0], b[1]]) as i64),
-        DType::I32 => Item::Int(i32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64),
-        DType::I64 => Item::Int(i64::from_le_bytes(b)),
-        DType::U32 => Item::Int(u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as i64),
-        DType::U64 => Item::Int(u64::from_le_bytes(b) as i64),
-        DType::F16 => Item::Float(half_to_f64(u16::from_le_bytes([b[0], b[1]]))),
-        DType::BF16 => Item::Float(f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16) as f64),
-        DType::F32 => Item::Float(f32::from_le_bytes([b[0], b[1], b[2], b[3]]) as f64),
-        DType::F64 => Item::Float(f64::from_le_bytes(b)),
+    Ok(match (dt, host::scalar(&bytes, dt)) {
+        (DType::Bool, host::Scalar::Int(i)) => Item::Bool(i != 0),
+        (_, host::Scalar::Int(i)) => Item::Int(i),
+        (_, host::Scalar::Float(f)) => Item::Float(f),
     })
-}
-
-fn half_to_f64(h: u16) -> f64 {
-    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
-    let exp = ((h >> 10) & 0x1f) as i32;
-    let frac = (h & 0x3ff) as f64;
-    sign * match exp {
-        0 => frac * 2f64.powi(-24),
-        31 => {
-            if frac == 0.0 {
-                f64::INFINITY
-            } else {
-                f64::NAN
-            }
-        }
-        e => (1.0 + frac / 1024.0) * 2f64.powi(e - 15),
-    }
 }
 
 /// Allocator `copy_data`: raw bytes between two storages.

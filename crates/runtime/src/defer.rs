@@ -18,14 +18,35 @@ use crate::{host, Error, Result, Runtime};
 struct Graph {
     b: Builder,
     inputs: Vec<Arc<pjrt::Buffer>>,
+    /// What each input is (parallel to `inputs`), for replaying captured graphs.
+    sources: Vec<Src>,
     /// Storages read from their materialized buffer: their parameter.
     params: HashMap<usize, (Value, DType)>,
     ops: usize,
+    /// Recording a graph for torch.compile: no size-limit flushes.
+    capturing: bool,
+    /// A flush happened while capturing: the capture cannot be replayed.
+    broken: bool,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Src {
+    Storage(usize, DType),
+    Host,
+    Rng(u64),
 }
 
 impl Graph {
     fn new() -> Graph {
-        Graph { b: Builder::new(), inputs: Vec::new(), params: HashMap::new(), ops: 0 }
+        Graph {
+            b: Builder::new(),
+            inputs: Vec::new(),
+            sources: Vec::new(),
+            params: HashMap::new(),
+            ops: 0,
+            capturing: false,
+            broken: false,
+        }
     }
 }
 
@@ -74,9 +95,11 @@ struct GraphSources<'a> {
     rt: &'a Runtime,
     device: usize,
     inputs: &'a mut Vec<Arc<pjrt::Buffer>>,
+    sources: &'a mut Vec<Src>,
     params: &'a mut HashMap<usize, (Value, DType)>,
     lazy: &'a Mutex<HashMap<usize, (Value, DType)>>,
     gen: Option<*mut i64>,
+    capturing: bool,
 }
 
 impl Sources for GraphSources<'_> {
@@ -105,6 +128,7 @@ impl Sources for GraphSources<'_> {
         let buf = storage.buffer_as(self.rt, dtype)?;
         let v = b.param(TensorType::new(dtype, &[n]));
         self.inputs.push(buf);
+        self.sources.push(Src::Storage(key, dtype));
         self.params.insert(key, (v, dtype));
         Ok(v)
     }
@@ -113,7 +137,16 @@ impl Sources for GraphSources<'_> {
         let Loc::Host(p) = t.loc else { return Err(Error::runtime("device tensor as host input")) };
         // SAFETY: PyTorch keeps the CPU tensor alive during the call; the view is inside it.
         let bytes = unsafe { host::read(p, &t.view, dtype.size()) };
+        if self.capturing && t.view.numel() == 1 {
+            // A captured graph embeds its Python scalars (Dynamo guards on them).
+            let c = match host::scalar(&bytes, dtype) {
+                host::Scalar::Int(i) => b.constant_i64(dtype, i),
+                host::Scalar::Float(f) => b.constant(dtype, f),
+            };
+            return Ok(b.reshape(c, &t.view.sizes));
+        }
         self.inputs.push(Arc::new(self.rt.upload(&bytes, dtype, &t.view.sizes, self.device)?));
+        self.sources.push(Src::Host);
         Ok(b.param(TensorType::new(dtype, &t.view.sizes)))
     }
 
@@ -132,6 +165,7 @@ impl Sources for GraphSources<'_> {
         bytes.extend_from_slice(&seed.to_le_bytes());
         bytes.extend_from_slice(&offset.to_le_bytes());
         self.inputs.push(Arc::new(self.rt.upload(&bytes, DType::I64, &[2], self.device)?));
+        self.sources.push(Src::Rng(consumed));
         Ok(())
     }
 }
@@ -145,8 +179,10 @@ impl Runtime {
             RArg::Generator(g) => Some(g),
             _ => None,
         });
-        let Graph { b, inputs, params: pmap, ops } = &mut *g;
-        let mut src = GraphSources { rt: self, device, inputs, params: pmap, lazy: &d.lazy[device], gen };
+        let Graph { b, inputs, sources, params: pmap, ops, capturing, .. } = &mut *g;
+        let capturing = *capturing;
+        let mut src =
+            GraphSources { rt: self, device, inputs, sources, params: pmap, lazy: &d.lazy[device], gen, capturing };
         let low = match lower_into(b, &mut src, op, overload, device, params, var)? {
             LowerOutcome::Done(l) => l,
             LowerOutcome::Declined(w) => return Ok(Outcome::Declined(w)),
@@ -174,7 +210,7 @@ impl Runtime {
                 }
             }
         }
-        let full = *ops >= d.max_ops;
+        let full = *ops >= d.max_ops && !capturing;
         drop(g);
         self.metrics.native(op);
         if full {
@@ -192,7 +228,14 @@ impl Runtime {
         if g.ops == 0 && lazy.is_empty() {
             return Ok(());
         }
+        let was_capturing = g.capturing;
         let graph = std::mem::replace(&mut *g, Graph::new());
+        if was_capturing {
+            // Something needed a value mid-capture (a CPU fallback, a host read): the
+            // graph runs now and the capture is abandoned (counted as a graph break).
+            g.capturing = true;
+            g.broken = true;
+        }
         let mut entries: Vec<(usize, Value, DType)> = lazy.drain().map(|(k, (v, t))| (k, v, t)).collect();
         // Output order must not depend on hashing, or the module text (the cache key) would.
         entries.sort_by_key(|e| (e.1, e.0));
@@ -236,5 +279,205 @@ impl Runtime {
             self.flush(dev, reason)?;
         }
         Ok(())
+    }
+}
+
+/// A graph recorded for `torch.compile`, replayable without re-running its Python ops.
+pub struct Captured {
+    exe: Arc<pjrt::Executable>,
+    params: Vec<Param_>,
+    /// New contiguous outputs (dtype, sizes), in order.
+    pub outputs: Vec<(DType, Vec<i64>)>,
+    /// After the outputs: values written back into inputs (input index, dtype).
+    input_writes: Vec<(usize, DType)>,
+    pub device: usize,
+    pub mlir: String,
+}
+
+enum Param_ {
+    Input(usize, DType),
+    Const(Arc<pjrt::Buffer>),
+    Rng(u64),
+}
+
+/// The capture's results for its first call: new output storages.
+pub type Handles = Vec<(*mut Storage, DType, Vec<i64>)>;
+
+impl Runtime {
+    /// Starts recording a graph for torch.compile on `device` (pending work runs first).
+    pub fn capture_begin(&self, device: usize) -> Result<()> {
+        self.flush(device, "capture")?;
+        let mut g = lock(&self.defer.graphs[device]);
+        g.capturing = true;
+        g.broken = false;
+        Ok(())
+    }
+
+    /// Ends a capture: `inputs` are the graph's tensor inputs, `outputs` its tensor outputs.
+    /// Returns None when the capture broke (the recorded ops then simply run, as a flush).
+    pub fn capture_end(
+        &self,
+        device: usize,
+        inputs: &[TensorRef],
+        outputs: &[TensorRef],
+        gen: *mut i64,
+    ) -> Result<Option<(Captured, Handles)>> {
+        let d = &self.defer;
+        let mut g = lock(&d.graphs[device]);
+        if g.broken || !g.capturing {
+            g.capturing = false;
+            g.broken = false;
+            drop(g);
+            self.flush(device, "capture abandoned")?;
+            return Ok(None);
+        }
+        g.capturing = false;
+        let mut lazy = lock(&d.lazy[device]);
+        let mut graph = std::mem::replace(&mut *g, Graph::new());
+        let b = &mut graph.b;
+        // Outputs, read out of their storages as contiguous values.
+        let mut results = Vec::new();
+        let mut out_meta = Vec::new();
+        for t in outputs {
+            let Loc::Device(p) = t.loc else { return Err(Error::runtime("compiled graph output on the CPU")) };
+            let dtype = t.dtype.ok_or_else(|| Error::runtime("unsupported output dtype"))?;
+            let key = p as usize;
+            let flat = match lazy.get(&key).copied().or_else(|| graph.params.get(&key).copied()) {
+                Some((v, dt)) if dt == dtype => v,
+                _ => {
+                    // An output the graph never touched (an input passed through).
+                    // SAFETY: the caller holds the output tensor alive.
+                    let buf = unsafe { &*p }.buffer_as(self, dtype)?;
+                    let v = b.param(TensorType::new(dtype, &[t.nbytes / dtype.size() as i64]));
+                    graph.inputs.push(buf);
+                    graph.sources.push(Src::Storage(key, dtype));
+                    v
+                }
+            };
+            let v = crate::layout::read(b, flat, &t.view);
+            results.push(b.reshape(v, &[t.view.numel()]));
+            out_meta.push((dtype, t.view.sizes.clone()));
+        }
+        // Inputs the graph wrote (in-place updates), then any other live pending value.
+        let mut input_writes = Vec::new();
+        let mut rest: Vec<(usize, Value, DType)> = Vec::new();
+        let mut entries: Vec<(usize, (Value, DType))> = lazy.drain().collect();
+        entries.sort_by_key(|e| (e.1 .0, e.0));
+        for (key, (v, dt)) in entries {
+            match inputs.iter().position(|t| matches!(t.loc, Loc::Device(p) if p as usize == key)) {
+                Some(i) => {
+                    results.push(v);
+                    input_writes.push((i, dt));
+                }
+                None => rest.push((key, v, dt)),
+            }
+        }
+        for (_, v, _) in &rest {
+            results.push(*v);
+        }
+        let mlir = b.finish(&results);
+        let cached = lock(&d.programs).get(&mlir).cloned();
+        let exe = match cached {
+            Some(e) => e,
+            None => {
+                let e = Arc::new(self.compile(&mlir, device, true)?);
+                lock(&d.programs).insert(mlir.clone(), e.clone());
+                e
+            }
+        };
+        let params = graph
+            .sources
+            .iter()
+            .zip(&graph.inputs)
+            .map(|(s, buf)| match *s {
+                Src::Storage(key, dt) => {
+                    match inputs.iter().position(|t| matches!(t.loc, Loc::Device(p) if p as usize == key)) {
+                        Some(i) => Param_::Input(i, dt),
+                        None => Param_::Const(buf.clone()),
+                    }
+                }
+                Src::Host => Param_::Const(buf.clone()),
+                Src::Rng(n) => Param_::Rng(n),
+            })
+            .collect();
+        // First call: run with the buffers bound at capture.
+        let refs: Vec<&pjrt::Buffer> = graph.inputs.iter().map(|b| b.as_ref()).collect();
+        let bufs: Vec<Arc<pjrt::Buffer>> = exe.execute(&refs)?.into_iter().map(Arc::new).collect();
+        self.metrics.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.track("compiled graph", &bufs);
+        let _ = gen;
+        let mut it = bufs.into_iter();
+        let mut handles = Vec::new();
+        for (dtype, sizes) in &out_meta {
+            let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
+            let s = Box::new(Storage::with_buffer(buf, *dtype, device));
+            handles.push((Box::into_raw(s), *dtype, sizes.clone()));
+        }
+        for (i, dt) in &input_writes {
+            let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
+            if let Loc::Device(p) = inputs[*i].loc {
+                // SAFETY: the caller holds the input alive; we hold the lazy lock.
+                unsafe { &*p }.set_flushed(buf, *dt);
+            }
+        }
+        for ((key, _, dt), buf) in rest.iter().zip(it) {
+            // SAFETY: still in the lazy map until now, so alive (we hold its lock).
+            unsafe { &*(*key as *const Storage) }.set_flushed(buf, *dt);
+        }
+        Ok(Some((Captured { exe, params, outputs: out_meta, input_writes, device, mlir }, handles)))
+    }
+
+    /// Runs a captured graph on new inputs (same metadata as at capture): returns new outputs
+    /// and writes in-place updated inputs.
+    /// For each program parameter: the input index it reads, or None (a constant or RNG).
+    pub fn captured_inputs(c: &Captured) -> Vec<Option<usize>> {
+        c.params.iter().map(|p| if let Param_::Input(i, _) = p { Some(*i) } else { None }).collect()
+    }
+
+    pub fn replay(&self, c: &Captured, inputs: &[*const Storage], gen: *mut i64) -> Result<Handles> {
+        let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(c.params.len());
+        for p in &c.params {
+            bufs.push(match p {
+                Param_::Input(i, dt) => {
+                    let s = inputs.get(*i).ok_or_else(|| Error::runtime("compiled graph: missing input"))?;
+                    // SAFETY: the caller holds the inputs alive.
+                    unsafe { &**s }.buffer_as(self, *dt)?
+                }
+                Param_::Const(b) => b.clone(),
+                Param_::Rng(n) => {
+                    let (seed, offset) = if gen.is_null() {
+                        (0, 0)
+                    } else {
+                        // SAFETY: the generator's live [seed, offset].
+                        unsafe {
+                            let o = *gen.add(1);
+                            *gen.add(1) = o.wrapping_add(*n as i64);
+                            (*gen, o)
+                        }
+                    };
+                    let mut bytes = Vec::with_capacity(16);
+                    bytes.extend_from_slice(&seed.to_le_bytes());
+                    bytes.extend_from_slice(&offset.to_le_bytes());
+                    Arc::new(self.upload(&bytes, DType::I64, &[2], c.device)?)
+                }
+            });
+        }
+        let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
+        let outs: Vec<Arc<pjrt::Buffer>> = c.exe.execute(&refs)?.into_iter().map(Arc::new).collect();
+        self.metrics.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.track("compiled graph", &outs);
+        let mut it = outs.into_iter();
+        let mut handles = Vec::new();
+        for (dtype, sizes) in &c.outputs {
+            let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
+            let s = Box::new(Storage::with_buffer(buf, *dtype, c.device));
+            handles.push((Box::into_raw(s), *dtype, sizes.clone()));
+        }
+        for (i, dt) in &c.input_writes {
+            let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
+            // SAFETY: the caller holds the inputs alive.
+            unsafe { &*inputs[*i] }.set(buf, *dt)?;
+        }
+        Ok(handles)
     }
 }

@@ -76,3 +76,44 @@ pub fn has_nan_or_inf(bytes: &[u8], dtype: stablehlo::DType) -> bool {
         _ => false,
     }
 }
+
+/// One element read from little-endian bytes.
+pub enum Scalar {
+    Int(i64),
+    Float(f64),
+}
+
+pub fn scalar(b: &[u8], dtype: stablehlo::DType) -> Scalar {
+    use stablehlo::DType;
+    let mut a = [0u8; 8];
+    a[..dtype.size()].copy_from_slice(&b[..dtype.size()]);
+    match dtype {
+        DType::Bool | DType::U8 => Scalar::Int(a[0] as i64),
+        DType::I8 => Scalar::Int(a[0] as i8 as i64),
+        DType::I16 => Scalar::Int(i16::from_le_bytes([a[0], a[1]]) as i64),
+        DType::I32 => Scalar::Int(i32::from_le_bytes([a[0], a[1], a[2], a[3]]) as i64),
+        DType::U32 => Scalar::Int(u32::from_le_bytes([a[0], a[1], a[2], a[3]]) as i64),
+        DType::I64 | DType::U64 => Scalar::Int(i64::from_le_bytes(a)),
+        DType::F16 => Scalar::Float(half_to_f64(u16::from_le_bytes([a[0], a[1]]))),
+        DType::BF16 => Scalar::Float(f32::from_bits((u16::from_le_bytes([a[0], a[1]]) as u32) << 16) as f64),
+        DType::F32 => Scalar::Float(f32::from_le_bytes([a[0], a[1], a[2], a[3]]) as f64),
+        DType::F64 => Scalar::Float(f64::from_le_bytes(a)),
+    }
+}
+
+pub fn half_to_f64(h: u16) -> f64 {
+    let sign = if h & 0x8000 != 0 { -1.0 } else { 1.0 };
+    let exp = ((h >> 10) & 0x1f) as i32;
+    let frac = (h & 0x3ff) as f64;
+    sign * match exp {
+        0 => frac * 2f64.powi(-24),
+        31 => {
+            if frac == 0.0 {
+                f64::INFINITY
+            } else {
+                f64::NAN
+            }
+        }
+        e => (1.0 + frac / 1024.0) * 2f64.powi(e - 15),
+    }
+}

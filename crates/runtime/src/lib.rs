@@ -11,6 +11,7 @@ pub mod cache;
 pub mod copy;
 pub mod datadep;
 pub mod defer;
+pub mod diskcache;
 pub mod exec;
 pub mod host;
 pub mod layout;
@@ -51,6 +52,18 @@ impl std::fmt::Display for Error {
 }
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Where runtime warnings go: the Python extension installs `warnings.warn` here.
+pub static WARN: OnceLock<fn(&str)> = OnceLock::new();
+
+/// Emits a warning through `WARN` (stderr before it is set). Never call with a lock held
+/// that a thread holding the GIL may wait for.
+pub fn warn(msg: &str) {
+    match WARN.get() {
+        Some(f) => f(msg),
+        None => eprintln!("warning: {msg}"),
+    }
+}
 
 pub fn from_pjrt(e: pjrt::ElementType) -> Option<DType> {
     use pjrt::ElementType as E;
@@ -93,6 +106,8 @@ pub fn dtype_to_pjrt(d: DType) -> pjrt::ElementType {
 pub struct Runtime {
     pub client: Arc<pjrt::Client>,
     pub cache: cache::Cache,
+    /// The on-disk level under both in-memory caches (`cache`, deferred graphs).
+    pub disk: diskcache::DiskCache,
     pub metrics: metrics::Metrics,
     pub defer: defer::Deferred,
     /// Output buffers (and the op that made them) not yet known to be complete.
@@ -117,6 +132,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
     let client = pjrt::Client::new(plugin)?;
     let devices = client.num_devices();
     let rt = Runtime {
+        disk: diskcache::DiskCache::new(&client),
         client,
         cache: cache::Cache::default(),
         metrics: metrics::Metrics::default(),
@@ -169,8 +185,13 @@ impl Runtime {
         Ok(())
     }
 
-    /// Compiles a StableHLO module for `device` (every compilation goes through here).
+    /// Compiles a StableHLO module for `device` (every compilation goes through here), or
+    /// loads it from the disk cache.
     pub fn compile(&self, mlir: &str, device: usize, deferred: bool) -> Result<pjrt::Executable> {
+        let key = self.disk.key(mlir, device);
+        if let Some(exe) = key.as_ref().and_then(|k| self.disk.load(&self.client, &self.metrics, k, device)) {
+            return Ok(exe);
+        }
         let t0 = std::time::Instant::now();
         let exe = self.client.compile(mlir, device).map_err(|e| Error::runtime(e.message))?;
         let secs = t0.elapsed().as_secs_f64();
@@ -178,6 +199,9 @@ impl Runtime {
             self.metrics.compiled_deferred(secs);
         } else {
             self.metrics.compiled(secs);
+        }
+        if let Some(k) = key {
+            self.disk.store(&k, &exe);
         }
         Ok(exe)
     }

@@ -17,6 +17,10 @@ pub struct Metrics {
     pub cache_hits: AtomicU64,
     pub cache_misses: AtomicU64,
     compile_nanos: AtomicU64,
+    /// Programs loaded from the disk cache (not compilations) and disk lookups that failed.
+    pub disk_hits: AtomicU64,
+    pub disk_misses: AtomicU64,
+    load_nanos: AtomicU64,
     pub executions: AtomicU64,
     pub h2d_bytes: AtomicU64,
     pub d2h_bytes: AtomicU64,
@@ -53,6 +57,10 @@ impl Metrics {
         self.compiled(secs);
         self.deferred_compilations.fetch_add(1, Ordering::Relaxed);
     }
+    pub fn loaded(&self, secs: f64) {
+        self.disk_hits.fetch_add(1, Ordering::Relaxed);
+        self.load_nanos.fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
+    }
     pub fn flushed(&self, ops: usize, reason: &str) {
         self.flushes.fetch_add(1, Ordering::Relaxed);
         self.flushed_ops.fetch_add(ops as u64, Ordering::Relaxed);
@@ -73,6 +81,9 @@ impl Metrics {
             ("cache_hits", g(&self.cache_hits)),
             ("cache_misses", g(&self.cache_misses)),
             ("compile_seconds", g(&self.compile_nanos) / 1e9),
+            ("disk_hits", g(&self.disk_hits)),
+            ("disk_misses", g(&self.disk_misses)),
+            ("load_seconds", g(&self.load_nanos) / 1e9),
             ("executions", g(&self.executions)),
             ("host_to_device_bytes", g(&self.h2d_bytes)),
             ("device_to_host_bytes", g(&self.d2h_bytes)),
@@ -95,6 +106,9 @@ impl Metrics {
             &self.cache_hits,
             &self.cache_misses,
             &self.compile_nanos,
+            &self.disk_hits,
+            &self.disk_misses,
+            &self.load_nanos,
             &self.executions,
             &self.h2d_bytes,
             &self.d2h_bytes,

@@ -74,12 +74,8 @@ pub fn highest(d: DType) -> f64 {
 impl Builder {
     /// A 0-d constant.
     pub fn constant(&mut self, dtype: DType, v: f64) -> Value {
-        let lit = if dtype == DType::I64 && v.abs() >= 9.0e15 {
-            // Extremes of i64 do not survive a trip through f64 printing.
-            if v > 0.0 { i64::MAX.to_string() } else { i64::MIN.to_string() }
-        } else {
-            dtype.literal(v)
-        };
+        // Integer literals saturate like `as` casts (i64::MAX survives the trip through f64).
+        let lit = dtype.literal(v);
         let ty = TensorType::scalar(dtype);
         let attr = format!("value = dense<{}> : {}", lit, ty.mlir());
         self.op("stablehlo.constant", &[], &attr, ty)

@@ -1133,6 +1133,15 @@ uint64_t tpu_shim_initial_seed(int32_t device_index) {
   }
 }
 
+int64_t* tpu_shim_generator_state(int32_t device_index) {
+  try {
+    if (device_index < 0 || device_index >= kMaxDevices) return nullptr;
+    return default_tpu_generator(static_cast<c10::DeviceIndex>(device_index))->state();
+  } catch (...) {
+    return nullptr;
+  }
+}
+
 const char* tpu_shim_register_boxed(const char* const* names, int32_t n) {
   try {
     std::lock_guard<std::mutex> g(g_reg_mutex);

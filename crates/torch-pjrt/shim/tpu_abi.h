@@ -152,6 +152,8 @@ int32_t tpu_shim_current_device(void);
 // Default generator of a device (created lazily): seed it / read its seed.
 void tpu_shim_manual_seed(int32_t device_index, uint64_t seed);
 uint64_t tpu_shim_initial_seed(int32_t device_index);
+// The default generator's [seed, offset] of a device (for replaying compiled graphs).
+int64_t* tpu_shim_generator_state(int32_t device_index);
 // Registers the Rust-dispatching boxed kernel for PrivateUse1 on these ops
 // ("add.Tensor", "aten::mul.Tensor", "mm", "myns::op.overload"), overriding
 // composite kernels so the functional call reaches tpu_rs_dispatch.

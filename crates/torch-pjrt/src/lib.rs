@@ -18,7 +18,27 @@ extern "C" {
     fn tpu_shim_current_device() -> i32;
     fn tpu_shim_manual_seed(device_index: i32, seed: u64);
     fn tpu_shim_initial_seed(device_index: i32) -> u64;
+    fn tpu_shim_generator_state(device_index: i32) -> *mut i64;
+    fn tpu_shim_register_boxed(names: *const *const c_char, n: i32) -> *const c_char;
 }
+
+/// Routes these ATen overloads ("aten::_foreach_add.List") to the Rust dispatcher instead of
+/// their composite kernels.
+#[pyfunction]
+fn register_boxed(names: Vec<String>) -> PyResult<()> {
+    let cs: Vec<CString> = names.iter().map(|n| CString::new(n.as_str()).unwrap_or_default()).collect();
+    let ptrs: Vec<*const c_char> = cs.iter().map(|c| c.as_ptr()).collect();
+    // SAFETY: `ptrs` points at NUL-terminated strings alive for the call.
+    let msg = unsafe { tpu_shim_register_boxed(ptrs.as_ptr(), ptrs.len() as i32) };
+    if msg.is_null() {
+        return Ok(());
+    }
+    // SAFETY: a NUL-terminated message valid until the next call on this thread.
+    let s = unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned();
+    Err(PyRuntimeError::new_err(s))
+}
+
+mod compiled;
 
 /// Emits a Python UserWarning from any thread.
 pub(crate) fn warn(msg: &str) {
@@ -40,6 +60,7 @@ fn rt() -> PyResult<&'static runtime::Runtime> {
 #[pyfunction]
 fn _init(search_dirs: Vec<String>) -> PyResult<()> {
     let dirs: Vec<PathBuf> = search_dirs.into_iter().map(PathBuf::from).collect();
+    let _ = runtime::WARN.set(warn);
     runtime::init(&dirs).map_err(|e| PyRuntimeError::new_err(e.msg))?;
     // SAFETY: tpu_shim_init is idempotent and returns NULL or a static message.
     let msg = unsafe { tpu_shim_init() };
@@ -137,6 +158,48 @@ fn reset_metrics() -> PyResult<()> {
     Ok(())
 }
 
+/// The compilation caches: directory, entries and bytes on disk, hits, misses and times.
+#[pyfunction]
+fn cache_info(py: Python<'_>) -> PyResult<PyObject> {
+    let rt = rt()?;
+    let info = py.allow_threads(|| rt.disk.info());
+    let c: std::collections::HashMap<_, _> = rt.metrics.snapshot().counters.into_iter().collect();
+    let n = |k: &str| c.get(k).copied().unwrap_or(0.0) as u64;
+    let d = PyDict::new(py);
+    d.set_item("directory", info.dir.map(|p| p.display().to_string()))?;
+    d.set_item("entries", info.entries)?;
+    d.set_item("bytes", info.bytes)?;
+    d.set_item("max_bytes", info.max_bytes)?;
+    d.set_item("writable", info.writable)?;
+    d.set_item("memory_programs", rt.cache.len())?;
+    d.set_item("memory_hits", n("cache_hits"))?;
+    d.set_item("memory_misses", n("cache_misses"))?;
+    d.set_item("disk_hits", n("disk_hits"))?;
+    d.set_item("disk_misses", n("disk_misses"))?;
+    d.set_item("corrupt_entries", info.corrupt_entries)?;
+    d.set_item("compilations", n("compilations"))?;
+    d.set_item("compile_seconds", c.get("compile_seconds").copied().unwrap_or(0.0))?;
+    d.set_item("load_seconds", c.get("load_seconds").copied().unwrap_or(0.0))?;
+    Ok(d.into_any().unbind())
+}
+
+/// Empties the in-memory caches and, with `disk`, deletes the directory's entries.
+#[pyfunction]
+fn clear_cache(py: Python<'_>, disk: bool) -> PyResult<usize> {
+    let rt = rt()?;
+    rt.cache.clear();
+    rt.defer.clear_programs();
+    Ok(if disk { py.allow_threads(|| rt.disk.clear()) } else { 0 })
+}
+
+/// Switches the disk cache to `path` (None or "": off).
+#[pyfunction]
+#[pyo3(signature = (path))]
+fn set_cache_dir(path: Option<String>) -> PyResult<()> {
+    rt()?.disk.set_dir(path.filter(|p| !p.is_empty()).map(PathBuf::from));
+    Ok(())
+}
+
 /// The eager mode: 0 Strict, 1 Debug, 2 DeferAndFuse.
 #[pyfunction]
 fn eager_mode() -> u8 {
@@ -179,6 +242,11 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(lowered_ops, m)?)?;
     m.add_function(wrap_pyfunction!(eager_mode, m)?)?;
+    m.add_function(wrap_pyfunction!(cache_info, m)?)?;
+    m.add_function(wrap_pyfunction!(clear_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(set_cache_dir, m)?)?;
+    compiled::register(m)?;
+    m.add_function(wrap_pyfunction!(register_boxed, m)?)?;
     m.add_function(wrap_pyfunction!(set_eager_mode, m)?)?;
     Ok(())
 }

@@ -1,0 +1,215 @@
+"""``torch.compile(backend="tpu")``: Dynamo -> AOTAutograd -> one StableHLO program per graph.
+
+AOTAutograd gives ATen-level forward and backward graphs (PyTorch's core decompositions are
+applied only to ops without a lowering rule). The first call of a graph runs its ATen ops
+through the DeferAndFuse recorder, so the Rust lowering rules build one StableHLO module
+(the same rules as eager; no second table); the module is compiled once (through the
+compilation cache) and later calls replay it directly on the new inputs. A graph whose
+capture is interrupted (an op without a lowering falls back to the CPU, a value is read on
+the host) runs eagerly on tpu every call instead, and is counted in ``metrics()``.
+"""
+
+import collections
+
+import torch
+from torch._dynamo import register_backend
+from torch._dynamo.backends.common import aot_autograd
+
+from . import _C
+
+_DTYPE = {
+    torch.uint8: 0, torch.int8: 1, torch.int16: 2, torch.int32: 3, torch.int64: 4,
+    torch.float16: 5, torch.float32: 6, torch.float64: 7, torch.bool: 11, torch.bfloat16: 15,
+}
+_FROM = {v: k for k, v in _DTYPE.items()}
+
+KNOWN_MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+KNOWN_OPTIONS = {"dump_stablehlo": "print each compiled graph's StableHLO"}
+
+counters = collections.Counter()
+
+
+def _meta(t):
+    s = t.untyped_storage()
+    return (s.data_ptr(), _DTYPE[t.dtype], list(t.shape), list(t.stride()), t.storage_offset(),
+            s.nbytes())
+
+
+def _is_tpu(t):
+    return isinstance(t, torch.Tensor) and t.device.type == "tpu"
+
+
+class _Graph:
+    """One AOTAutograd graph (forward or backward) and its compiled programs by input layout."""
+
+    def __init__(self, gm, dump):
+        self.gm = gm
+        self.dump = dump
+        self.programs = {}
+
+    def _key(self, args):
+        return tuple(
+            (a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.device.index)
+            if isinstance(a, torch.Tensor) else ("py", type(a), a if isinstance(a, (int, float, bool)) else None)
+            for a in args
+        )
+
+    def __call__(self, *args):
+        if not all(_is_tpu(a) for a in args if isinstance(a, torch.Tensor)):
+            counters["eager_graphs"] += 1
+            return self.gm(*args)
+        key = self._key(args)
+        prog = self.programs.get(key)
+        if prog is None:
+            if self.programs:
+                counters["recompilations"] += 1
+            return self._capture(key, args)
+        if prog == "eager":
+            counters["eager_graph_calls"] += 1
+            return self.gm(*args)
+        pid, out_meta, spec, device = prog
+        outs = [torch.empty(s, dtype=_FROM[d], device=f"tpu:{device}") for d, s in out_meta]
+        inputs = [a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)]
+        _C.replay(pid, inputs, [o.untyped_storage().data_ptr() for o in outs])
+        return _rebuild(spec, outs)
+
+    def _capture(self, key, args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        device = tensors[0].device.index if tensors else torch.tpu.current_device()
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+            _C.capture_begin(device)
+            try:
+                res = self.gm(*args)
+            except BaseException:
+                _C.capture_end(device, [], [])
+                raise
+            flat, spec = _flatten(res)
+            if not all(_is_tpu(t) and t.device.index == device for t in flat):
+                _C.capture_end(device, [], [])
+                self.programs[key] = "eager"
+                counters["graph_breaks"] += 1
+                return res
+            r = _C.capture_end(device, [_meta(t) for t in tensors], [_meta(t) for t in flat])
+        if r is None:
+            # An op fell back to the CPU or a value was read mid-graph: keep it eager.
+            self.programs[key] = "eager"
+            counters["graph_breaks"] += 1
+            return res
+        pid, out_meta = r
+        counters["compiled_graphs"] += 1
+        if self.dump:
+            print(_C.captured_mlir(pid))
+        outs = [torch.empty(s, dtype=_FROM[d], device=f"tpu:{device}") for d, s in out_meta]
+        _C.take_outputs(pid, [o.untyped_storage().data_ptr() for o in outs])
+        self.programs[key] = (pid, out_meta, spec, device)
+        return _rebuild(spec, outs)
+
+
+def _flatten(res):
+    """Tensors of a graph's (tuple/list) result and how to put them back."""
+    if isinstance(res, (tuple, list)):
+        flat, spec = [], []
+        for r in res:
+            if isinstance(r, torch.Tensor):
+                spec.append(("t", len(flat)))
+                flat.append(r)
+            else:
+                spec.append(("v", r))
+        return flat, (type(res), spec)
+    if isinstance(res, torch.Tensor):
+        return [res], (None, [("t", 0)])
+    return [], (None, [("v", res)])
+
+
+def _rebuild(spec, outs):
+    kind, items = spec
+    vals = [outs[x] if k == "t" else x for k, x in items]
+    if kind is None:
+        return vals[0]
+    return kind(vals)
+
+
+def _decompositions():
+    from torch._decomp import core_aten_decompositions
+
+    lowered = set(_C.lowered_ops())
+    table = {}
+    for op, fn in core_aten_decompositions().items():
+        name = op.name() if hasattr(op, "name") else str(op)
+        base = name.split(".")[0]
+        if not base.startswith("aten::"):
+            base = "aten::" + base
+        if base not in lowered:
+            table[op] = fn
+    return table
+
+
+def tpu_backend(gm, example_inputs, mode=None, options=None, **kwargs):
+    """The Dynamo backend registered as ``"tpu"``."""
+    if mode not in KNOWN_MODES:
+        raise ValueError(f"torch.compile(backend='tpu'): unknown mode {mode!r}; known: {KNOWN_MODES}")
+    options = dict(options or {})
+    unknown = sorted(set(options) - set(KNOWN_OPTIONS))
+    if unknown:
+        raise ValueError(
+            f"torch.compile(backend='tpu'): unknown options {unknown}; known: {KNOWN_OPTIONS}"
+        )
+    dump = bool(options.get("dump_stablehlo", False))
+
+    def compiler(g, _inputs):
+        return _Graph(g, dump)
+
+    return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                        decompositions=_decompositions())(gm, example_inputs)
+
+
+register_backend(name="tpu", compiler_fn=tpu_backend)
+
+
+def export_stablehlo(fn, *example_inputs):
+    """The StableHLO text of ``fn(*example_inputs)`` as one program.
+
+    The inputs (tpu tensors) and, for a module, its parameters and buffers are the program's
+    parameters, in the order the program reads them; the outputs are ``fn``'s tensor results,
+    contiguous. For a training step (forward, backward and optimizer update inside ``fn``) the
+    whole step is one program. Returns the text; ``torch_pjrt.compile.export_signature`` of the
+    last export gives the parameter and result tensors.
+    """
+    global _last_export
+    tensors = [a for a in example_inputs if isinstance(a, torch.Tensor)]
+    if isinstance(fn, torch.nn.Module):
+        tensors = tensors + [p for p in fn.parameters()] + [b for b in fn.buffers()]
+    if not all(_is_tpu(t) for t in tensors):
+        raise ValueError("export_stablehlo: inputs and module state must be on the tpu device")
+    device = tensors[0].device.index if tensors else torch.tpu.current_device()
+    with torch.no_grad() if not torch.is_grad_enabled() else _nullctx():
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+            _C.capture_begin(device)
+            try:
+                res = fn(*example_inputs)
+            except BaseException:
+                _C.capture_end(device, [], [])
+                raise
+            flat, _ = _flatten(res)
+            r = _C.capture_end(device, [_meta(t) for t in tensors], [_meta(t.detach()) for t in flat])
+    if r is None:
+        raise RuntimeError(
+            "export_stablehlo: the function could not be captured as one program "
+            "(an op fell back to the CPU or a value was read on the host); see torch_pjrt.metrics()"
+        )
+    pid, out_meta = r
+    outs = [torch.empty(s, dtype=_FROM[d], device=f"tpu:{device}") for d, s in out_meta]
+    _C.take_outputs(pid, [o.untyped_storage().data_ptr() for o in outs])
+    _last_export = (pid, tensors, outs)
+    return _C.captured_mlir(pid)
+
+
+_last_export = None
+
+
+class _nullctx:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

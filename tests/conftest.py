@@ -1,0 +1,193 @@
+"""Shared helpers for the torch_pjrt test suite.
+
+PyTorch on the CPU is the oracle: `compare(fn, *args)` runs `fn` on tpu copies of the
+arguments and on the CPU arguments and checks that results (and arguments mutated in
+place) agree.
+
+Useful command lines (from the repository root, with the venv active):
+
+    python -m pytest tests -q                      # everything
+    python -m pytest tests -q -m "not slow"        # skip the slow OpInfo directions
+    python -m pytest tests/test_opinfo.py -q -k "float32 and forward"
+    python -m pytest tests/test_opinfo.py --opinfo-record=/tmp/failures.txt
+        # writes one expected_failures.txt line per failing OpInfo test (for triage)
+"""
+
+import os
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+import torch_pjrt
+
+TPU = torch.device("tpu")
+
+# Where the device run of a test writes a fallback warning; tests that look for the
+# warning run in a subprocess (it is issued once per op and process).
+FALLBACK_WARNING = r"The operator .* is not lowered for the tpu device"
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--opinfo-samples",
+        type=int,
+        default=int(os.environ.get("TORCH_PJRT_OPINFO_SAMPLES", "8")),
+        help="samples per OpInfo and dtype (the first N of op.sample_inputs)",
+    )
+    parser.addoption(
+        "--opinfo-record",
+        default=None,
+        help="write an expected_failures.txt line for every failing OpInfo test to this file",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: OpInfo dtypes/directions beyond float32 forward")
+    config.addinivalue_line("filterwarnings", f"ignore:{FALLBACK_WARNING}:UserWarning")
+
+
+# ---------------------------------------------------------------------------
+# Moving things between devices
+# ---------------------------------------------------------------------------
+
+
+def _move_tensor(x, device):
+    base = x._base
+    if (base is not None and base.dtype == x.dtype and base.layout == torch.strided
+            and base.storage_offset() == 0):
+        # A view: copy its whole base and view that the same way, so that ops that see
+        # the storage (as_strided, set_) find the same neighbours as on the CPU.
+        nb = base.detach().to(device)
+        if nb.stride() == base.stride():
+            return nb.as_strided(x.size(), x.stride(), x.storage_offset())
+    return x.detach().to(device)
+
+
+def to_tpu(obj, device="tpu"):
+    """Copies every tensor in a pytree to `device`; leaves keep requires_grad, views stay
+    views of a copy of their base."""
+
+    def move(x):
+        if isinstance(x, torch.Tensor):
+            y = _move_tensor(x, device)
+            if x.requires_grad:
+                y.requires_grad_()
+            return y
+        return x
+
+    return tree_map(move, obj)
+
+
+def to_cpu(obj):
+    """Detached host copies of every tensor in a pytree."""
+    return tree_map(lambda x: x.detach().cpu() if isinstance(x, torch.Tensor) else x, obj)
+
+
+def assert_on_device(actual, expected, device_type="tpu"):
+    """Every tensor that the CPU run returned on the CPU is on `device_type` in `actual`."""
+    a_leaves, a_spec = tree_flatten(actual)
+    e_leaves, e_spec = tree_flatten(expected)
+    assert len(a_leaves) == len(e_leaves), f"result structure differs: {a_spec} vs {e_spec}"
+    for i, (a, e) in enumerate(zip(a_leaves, e_leaves)):
+        if isinstance(e, torch.Tensor) and e.device.type == "cpu":
+            assert isinstance(a, torch.Tensor), f"result {i}: expected a tensor, got {type(a)}"
+            assert a.device.type == device_type, f"result {i} is on {a.device}, not {device_type}"
+            assert type(a) is torch.Tensor or type(a) is type(e), f"result {i} has type {type(a)}"
+
+
+def assert_close(actual, expected, atol=None, rtol=None, **kw):
+    """torch.testing.assert_close after moving `actual` to the CPU (NaNs compare equal)."""
+    kw.setdefault("equal_nan", True)
+    if atol is None or rtol is None:
+        atol = rtol = None
+    torch.testing.assert_close(to_cpu(actual), expected, atol=atol, rtol=rtol, **kw)
+
+
+# ---------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------
+
+
+def fallbacks():
+    """{op: fallback calls} for every op that ran on the CPU fallback since the last reset."""
+    return {k: v[1] for k, v in torch_pjrt.metrics()["ops"].items() if v[1]}
+
+
+def compare(fn, *args, atol=None, rtol=None, check_fallback=False, check_args=True, **kwargs):
+    """Runs fn on tpu copies of args/kwargs and on the CPU originals; compares results.
+
+    The tpu copies are made before either run, so functions that mutate their arguments
+    are fine; with check_args the (possibly mutated) tensor arguments are compared too.
+    With check_fallback the tpu run must not use the CPU fallback.
+    Returns (cpu_result, tpu_result).
+    """
+    t_args, t_kwargs = to_tpu((args, kwargs))
+    if check_fallback:
+        torch_pjrt.reset_metrics()
+    actual = fn(*t_args, **t_kwargs)
+    fb = fallbacks() if check_fallback else {}
+    expected = fn(*args, **kwargs)
+    assert_on_device(actual, expected)
+    assert_close(actual, expected, atol=atol, rtol=rtol)
+    if check_args:
+        assert_close((t_args, t_kwargs), (args, kwargs), atol=atol, rtol=rtol)
+    assert not fb, f"ran on the CPU fallback: {fb}"
+    return expected, actual
+
+
+# ---------------------------------------------------------------------------
+# Fixtures
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _restore_global_state():
+    """Undoes the global switches a failing test may leave behind."""
+    dev = torch.tpu.current_device()
+    yield
+    torch_pjrt.enable_cpu_fallback = True
+    if torch.tpu.current_device() != dev:
+        torch.tpu.set_device(dev)
+
+
+@pytest.fixture
+def seed():
+    torch.manual_seed(0)
+    return 0
+
+
+@pytest.fixture
+def no_fallback():
+    """The test body must not run anything on the CPU fallback."""
+    torch_pjrt.reset_metrics()
+    yield
+    fb = fallbacks()
+    assert not fb, f"ran on the CPU fallback: {fb}"
+
+
+@pytest.fixture
+def fallback_off():
+    torch_pjrt.enable_cpu_fallback = False
+    yield
+    torch_pjrt.enable_cpu_fallback = True
+
+
+# ---------------------------------------------------------------------------
+# --opinfo-record: failing OpInfo tests as expected_failures.txt lines
+# ---------------------------------------------------------------------------
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    path = item.config.getoption("--opinfo-record")
+    rep = outcome.get_result()
+    if not path or rep.when != "call" or not rep.failed or item.originalname != "test_opinfo":
+        return
+    name, dname, direction = (item.callspec.params[k] for k in ("name", "dname", "direction"))
+    reason = str(call.excinfo.value).strip().split("\n")[0]
+    reason = reason.split(": ", 1)[1] if reason.startswith("sample ") else reason
+    reason = " ".join(reason.split())[:160]
+    with open(path, "a") as f:
+        f.write(f"{name} {dname} {direction}  # {reason}\n")

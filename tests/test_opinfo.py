@@ -1,0 +1,361 @@
+"""Every OpInfo of PyTorch's op_db, on tpu against the CPU.
+
+One test per (op name[.variant], dtype, direction):
+  forward   the first N samples of op.sample_inputs('cpu', dtype) (N = --opinfo-samples,
+            default 8) run through the function variant on tpu copies and on the CPU;
+            outputs (after the sample's output_process_fn_grad) must be close, with
+            the tolerances PyTorch's OpInfo grants the op for that dtype, on tpu.
+  backward  float32 only: gradients of sum(outputs) w.r.t. every input that requires
+            grad, via torch.autograd.grad.
+  inplace   float32 only: the in-place variant (x.add_(...)) mutates its input like CPU
+            and returns it.
+If the CPU raises for a sample, the tpu run must raise the same exception type.
+
+"Native" OpInfos (their ATen name, or "_" + it, has a lowering rule in
+torch_pjrt.lowered_ops()) must also run without the CPU fallback. Other OpInfos may fall
+back, they only have to be right.
+
+Known failures live in tests/expected_failures.txt (strict xfail: a listed test that
+passes fails, so the file only shrinks). Default selection: float32 forward, backward and
+inplace; the int64/int32/bool forward tests carry the `slow` marker (deselect with
+`-m "not slow"`).
+"""
+
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride
+from torch.testing._internal.common_methods_invocations import op_db
+from torch.testing._internal.opinfo.core import DecorateInfo, SampleInput
+from torch.utils._pytree import tree_flatten, tree_map
+
+import torch_pjrt
+from conftest import assert_on_device, fallbacks, to_cpu, to_tpu
+
+EXPECTED_FILE = Path(__file__).with_name("expected_failures.txt")
+DTYPES = {
+    "float32": torch.float32,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
+DIRECTIONS = ("forward", "backward", "inplace")
+
+# OpInfos whose samples pass some tensor arguments that must stay on the CPU
+# (PyTorch requires them there on every device).
+CPU_ARGS = {"tensor_split"}
+
+# OpInfos whose values depend on the random stream (the tpu stream differs from the CPU
+# one): only shapes, dtypes and devices are compared.
+RANDOM = {
+    "bernoulli", "cauchy", "exponential", "geometric", "log_normal", "normal",
+    "normal.in_place", "normal.number_mean", "uniform", "multinomial", "randn", "randn_like",
+    "rand_like", "randint", "randint_like", "nn.functional.dropout", "nn.functional.dropout2d",
+    "nn.functional.dropout3d", "nn.functional.alpha_dropout",
+    "nn.functional.feature_alpha_dropout.with_train", "nn.functional.rrelu",
+    "nn.functional.fractional_max_pool2d", "nn.functional.fractional_max_pool3d",
+    "svd_lowrank", "pca_lowrank",
+}
+
+LOWERED = {n.split("::", 1)[1] for n in torch_pjrt.lowered_ops() if n.startswith("aten::")}
+
+
+def full_name(op):
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+OPS = {full_name(op): op for op in op_db}
+
+
+def native_aten_name(op):
+    """The lowered ATen op this OpInfo exercises, or None."""
+    cands = [op.aten_name]
+    if op.name.startswith("nn.functional."):
+        cands.append(op.name.rsplit(".", 1)[1])
+    for c in cands:
+        for n in (c, "_" + c):
+            if n in LOWERED:
+                return n
+    return None
+
+
+# ---------------------------------------------------------------------------
+# expected_failures.txt
+# ---------------------------------------------------------------------------
+
+_LINE = re.compile(r"^(\S+)\s+(\S+)\s+(\S+)(\s+skip)?\s*#\s*(.+)$")
+
+
+def parse_expected(path=EXPECTED_FILE):
+    """[(op, dtype, direction, kind, reason, lineno)]; dtype/direction may be '*'."""
+    entries = []
+    for i, raw in enumerate(path.read_text().splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        m = _LINE.match(line)
+        if not m:
+            raise ValueError(f"{path.name}:{i}: cannot parse {raw!r}")
+        op, dt, direction, skip, reason = m.groups()
+        entries.append((op, dt, direction, "skip" if skip else "xfail", reason.strip(), i))
+    return entries
+
+
+EXPECTED = parse_expected()
+
+
+def lookup(name, dtype, direction):
+    """The most specific expected_failures entry for a test, or None."""
+    best = None
+    for op, dt, d, kind, reason, _ in EXPECTED:
+        if op == name and dt in (dtype, "*") and d in (direction, "*"):
+            score = (dt != "*") + (d != "*")
+            if best is None or score > best[0]:
+                best = (score, kind, reason)
+    return best and best[1:]
+
+
+# ---------------------------------------------------------------------------
+# Parametrization
+# ---------------------------------------------------------------------------
+
+
+def _cases():
+    for name, op in OPS.items():
+        supported = op.supported_dtypes("cpu")
+        for dname, dtype in DTYPES.items():
+            if dtype not in supported:
+                continue
+            directions = ["forward"]
+            if dtype is torch.float32:
+                if op.supports_autograd and dtype in op.supported_backward_dtypes("cpu"):
+                    directions.append("backward")
+                if op.inplace_variant is not None:
+                    directions.append("inplace")
+            for direction in directions:
+                marks = []
+                if dtype is not torch.float32:
+                    marks.append(pytest.mark.slow)
+                hit = lookup(name, dname, direction)
+                if hit:
+                    kind, reason = hit
+                    if kind == "skip":
+                        marks.append(pytest.mark.skip(reason=reason))
+                    else:
+                        marks.append(pytest.mark.xfail(reason=reason, strict=True))
+                yield pytest.param(name, dname, direction, marks=marks,
+                                   id=f"{name}-{dname}-{direction}")
+
+
+CASES = list(_cases())
+
+
+# ---------------------------------------------------------------------------
+# Tolerances
+# ---------------------------------------------------------------------------
+
+
+def tolerances(op, dtype):
+    """The loosest (atol, rtol) any of the OpInfo's tolerance decorators gives `dtype`.
+
+    PyTorch grants these for differences between its own backends; XLA is one more
+    backend. (None, None) means assert_close's defaults.
+    """
+    atol = rtol = None
+    decos = []
+    for d in op.decorators:
+        if isinstance(d, DecorateInfo):
+            if d.dtypes is None or dtype in d.dtypes:
+                decos.extend(d.decorators)
+        else:
+            decos.append(d)
+    for d in decos:
+        if isinstance(d, toleranceOverride) and dtype in d.d:
+            t = d.d[dtype]
+            atol, rtol = max(atol or 0, t.atol), max(rtol or 0, t.rtol)
+        elif isinstance(d, precisionOverride) and dtype in d.d:
+            atol = max(atol or 0, d.d[dtype])
+    if atol is None and rtol is None:
+        return None, None
+    default_rtol, default_atol = {torch.float32: (1.3e-6, 1e-5)}.get(dtype, (0, 0))
+    return (default_atol if atol is None else atol), (default_rtol if rtol is None else rtol)
+
+
+# ---------------------------------------------------------------------------
+# Running one sample
+# ---------------------------------------------------------------------------
+
+
+def _tpu_device(x):
+    # Factory samples say device="cpu"; their tpu twin must say tpu.
+    if isinstance(x, torch.device) and x.type == "cpu":
+        return torch.device("tpu")
+    if isinstance(x, str) and x == "cpu":
+        return "tpu"
+    return x
+
+
+def move_sample(name, sample):
+    """A copy of the sample with its tensors on tpu (some stay on the CPU, see CPU_ARGS)."""
+    args = sample.args if name in CPU_ARGS else to_tpu(sample.args)
+    args, kwargs = tree_map(_tpu_device, (args, to_tpu(sample.kwargs)))
+    return SampleInput(tree_map(_tpu_device, to_tpu(sample.input)), args=args, kwargs=kwargs,
+                       output_process_fn_grad=sample.output_process_fn_grad,
+                       broadcasts_input=sample.broadcasts_input, name=sample.name)
+
+
+def call(fn, sample):
+    return sample.output_process_fn_grad(fn(sample.input, *sample.args, **sample.kwargs))
+
+
+class CpuRaised(Exception):
+    """Both devices raised the same exception type: nothing to compare."""
+
+
+def run_both(fn, name, sample):
+    """(cpu_result, tpu_result) of fn on the sample and on its tpu copy (made first).
+
+    When the CPU raises, the tpu run must raise the same exception type (then CpuRaised).
+    """
+    t_sample = move_sample(name, sample)
+    try:
+        expected = fn(sample)
+    except Exception as e:  # noqa: BLE001 - the CPU decides what is an error
+        expected_exc = e
+    else:
+        expected_exc = None
+    try:
+        actual = fn(t_sample)
+    except Exception as e:  # noqa: BLE001
+        if expected_exc is None:
+            raise
+        if not isinstance(e, type(expected_exc)):
+            raise AssertionError(
+                f"CPU raised {type(expected_exc).__name__}, tpu raised {type(e).__name__}: {e}"
+            ) from e
+        raise CpuRaised(f"{type(expected_exc).__name__}: {expected_exc}") from expected_exc
+    if expected_exc is not None:
+        raise AssertionError(
+            f"CPU raised {type(expected_exc).__name__}: {expected_exc}; tpu did not raise")
+    return expected, actual
+
+
+def check_metadata(actual, expected):
+    a, _ = tree_flatten(actual)
+    e, _ = tree_flatten(expected)
+    for x, y in zip(a, e):
+        if isinstance(y, torch.Tensor):
+            assert (x.shape, x.dtype) == (y.shape, y.dtype), f"{x.shape, x.dtype} != {y.shape, y.dtype}"
+
+
+def check(op, name, actual, expected, atol, rtol):
+    assert_on_device(actual, expected)
+    if name in RANDOM or op.has_nondeterministic_output:
+        check_metadata(actual, expected)
+    else:
+        torch.testing.assert_close(to_cpu(actual), expected, atol=atol, rtol=rtol,
+                                   equal_nan=True)
+
+
+def forward(op, name, sample, atol, rtol):
+    expected, actual = run_both(lambda s: call(op, s), name, sample)
+    check(op, name, actual, expected, atol, rtol)
+
+
+def grad_leaves(sample):
+    leaves, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
+    return [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def backward(op, name, sample, atol, rtol):
+    def grads(s):
+        inputs = grad_leaves(s)
+        outs = [o for o in tree_flatten(call(op, s))[0]
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        if not inputs or not outs:
+            raise CpuRaised("no differentiable input or output")
+        loss = sum(o.real.sum() + o.imag.sum() if o.is_complex() else o.sum() for o in outs)
+        return torch.autograd.grad(loss, inputs, allow_unused=True)
+
+    expected, actual = run_both(grads, name, sample)
+    assert [g is None for g in actual] == [g is None for g in expected], "unused inputs differ"
+    keep = [i for i, g in enumerate(expected) if g is not None]
+    check(op, name, [actual[i] for i in keep], [expected[i] for i in keep], atol, rtol)
+
+
+def inplace(op, name, sample, atol, rtol):
+    def run(s):
+        out = op.inplace_variant(s.input, *s.args, **s.kwargs)
+        return out is s.input, s.input
+
+    (e_same, e_self), (a_same, a_self) = run_both(run, name, sample)
+    assert a_same == e_same, "the in-place variant did not return its input"
+    check(op, name, a_self, e_self, atol, rtol)
+
+
+RUNNERS = {"forward": forward, "backward": backward, "inplace": inplace}
+
+
+@pytest.mark.parametrize("name,dname,direction", CASES)
+def test_opinfo(name, dname, direction, request):
+    op = OPS[name]
+    dtype = DTYPES[dname]
+    n_samples = request.config.getoption("--opinfo-samples")
+    atol, rtol = tolerances(op, dtype)
+    torch.manual_seed(0)
+    samples = op.sample_inputs("cpu", dtype, requires_grad=direction == "backward")
+    run = RUNNERS[direction]
+    native = native_aten_name(op)
+    torch_pjrt.reset_metrics()
+    compared, first_raise = 0, None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for i, sample in enumerate(samples):
+            if i >= n_samples:
+                break
+            try:
+                run(op, name, sample, atol, rtol)
+                compared += 1
+            except CpuRaised as e:
+                first_raise = first_raise or f"sample {i}: {e}"
+            except Exception as e:
+                msg = " ".join(str(e).split())[:200]
+                raise AssertionError(
+                    f"sample {i}: {type(e).__name__}: {msg}\n  sample: {sample.summary()}"
+                ) from e
+    # Samples are valid CPU calls; if none ran, the harness (not the op) is broken. In-place
+    # variants are often invalid (self cannot broadcast); there only the error must match.
+    if first_raise and not compared and direction != "inplace":
+        pytest.fail(f"no sample ran on the CPU: {first_raise[:200]}")
+    fb = fallbacks()
+    if native and fb:
+        pytest.fail(f"falls back: {', '.join(sorted(fb))} (native rule aten::{native})")
+
+
+# ---------------------------------------------------------------------------
+# The expected-failures file itself
+# ---------------------------------------------------------------------------
+
+
+def test_expected_failures_file_is_valid():
+    """Every line names an existing OpInfo, dtype and direction, and none is repeated."""
+    seen = set()
+    case_ids = {c.id for c in CASES}
+    problems = []
+    for op, dt, d, kind, reason, lineno in EXPECTED:
+        key = (op, dt, d)
+        if key in seen:
+            problems.append(f"line {lineno}: duplicate {key}")
+        seen.add(key)
+        if op not in OPS:
+            problems.append(f"line {lineno}: no OpInfo named {op}")
+        if dt != "*" and dt not in DTYPES:
+            problems.append(f"line {lineno}: unknown dtype {dt}")
+        if d != "*" and d not in DIRECTIONS:
+            problems.append(f"line {lineno}: unknown direction {d}")
+        if "*" not in (dt, d) and op in OPS and f"{op}-{dt}-{d}" not in case_ids:
+            problems.append(f"line {lineno}: {op} {dt} {d} is not a test (dtype unsupported?)")
+    assert not problems, "\n".join(problems)

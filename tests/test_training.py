@@ -1,0 +1,162 @@
+"""Short training runs on tpu against the CPU, from the same initial weights and data.
+
+Models: an MLP (784-512-512-10, batch 64, cross-entropy) and a 2-layer pre-LN GPT
+(d_model 64, 4 heads, vocab 64, seq 32, batch 4; causal attention written with
+matmul/masked_fill/softmax, GELU MLP). Optimizers: SGD with momentum and AdamW, each
+foreach and single-tensor. 20 steps; every step's loss must agree within 1e-4 relative, and
+training (after the model is built and moved) must not use the CPU fallback.
+"""
+
+import copy
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torch_pjrt
+from conftest import fallbacks
+
+STEPS = 20
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)
+        )
+
+    def forward(self, x, y):
+        return F.cross_entropy(self.net(x), y)
+
+
+class Block(nn.Module):
+    def __init__(self, d, heads, seq):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.register_buffer("mask", torch.ones(seq, seq, dtype=torch.bool).triu(1))
+
+    def attention(self, x):
+        b, t, c = x.shape
+        hd = c // self.heads
+        q, k, v = self.qkv(x).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, hd).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+        att = att.masked_fill(self.mask[:t, :t], float("-inf")).softmax(dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        return self.proj(y)
+
+    def forward(self, x):
+        x = x + self.attention(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=64, d=64, heads=4, seq=32, layers=2):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads, seq) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        # Positions as a buffer: built once with the model, not per step.
+        self.register_buffer("positions", torch.arange(seq))
+
+    def forward(self, idx, targets):
+        t = idx.shape[1]
+        x = self.tok(idx) + self.pos(self.positions[:t])
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def make_data(model_name):
+    """STEPS batches with learnable targets (so that the loss goes down)."""
+    g = torch.Generator().manual_seed(1234)
+    if model_name == "mlp":
+        w = torch.randn(784, 10, generator=g)
+        xs = [torch.randn(64, 784, generator=g) for _ in range(STEPS)]
+        return [(x, (x @ w).argmax(1)) for x in xs]
+    idx = [torch.randint(0, 64, (4, 32), generator=g) for _ in range(STEPS)]
+    return [(i, (i * 3 + 1) % 64) for i in idx]
+
+
+OPTIMIZERS = {
+    "sgd_foreach": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=True),
+    "sgd_single": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, foreach=False),
+    "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.1, foreach=True),
+    "adamw_single": lambda p: torch.optim.AdamW(p, lr=2e-3, weight_decay=0.1, foreach=False),
+}
+
+
+def train(model, opt_name, data, device):
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    losses = []
+    for x, y in data:
+        x, y = x.to(device), y.to(device)
+        opt.zero_grad()
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@functools.lru_cache(maxsize=None)
+def run(model_name, opt_name):
+    """(cpu losses, tpu losses or the exception, {fallback op: calls} during tpu training)."""
+    torch.manual_seed(0)
+    cpu_model = MLP() if model_name == "mlp" else GPT()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    data = make_data(model_name)
+    cpu_losses = train(cpu_model, opt_name, data, "cpu")
+    torch_pjrt.reset_metrics()
+    try:
+        tpu_losses = train(tpu_model, opt_name, data, "tpu")
+    except Exception as e:  # noqa: BLE001 - reported by the tests below
+        tpu_losses = e
+    return cpu_losses, tpu_losses, fallbacks()
+
+
+# Known failures, {(model, optimizer, check): reason}; check is "losses" or "native".
+XFAIL = {}
+
+CASES = [(m, o) for m in ("mlp", "gpt") for o in OPTIMIZERS]
+
+
+def params(check):
+    out = []
+    for m, o in CASES:
+        reason = XFAIL.get((m, o, check))
+        marks = [pytest.mark.xfail(reason=reason, strict=True)] if reason else []
+        out.append(pytest.param(m, o, marks=marks, id=f"{m}-{o}"))
+    return out
+
+
+@pytest.mark.parametrize("model_name,opt_name", params("losses"))
+def test_losses_match_cpu(model_name, opt_name):
+    cpu_losses, tpu_losses, _ = run(model_name, opt_name)
+    if isinstance(tpu_losses, Exception):
+        raise tpu_losses
+    assert all(math.isfinite(v) for v in cpu_losses)
+    assert cpu_losses[-1] < cpu_losses[0]  # it trains
+    torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses),
+                               rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("model_name,opt_name", params("native"))
+def test_training_is_native(model_name, opt_name):
+    _, tpu_losses, fb = run(model_name, opt_name)
+    if isinstance(tpu_losses, Exception):
+        raise tpu_losses
+    assert not fb, f"ran on the CPU fallback: {fb}"
