@@ -56,13 +56,12 @@ def _register():
 
 
 def _claim_composite_ops():
-    # The _foreach_* ops have composite kernels that would split them into per-tensor ops
-    # before reaching the backend; route every overload with a lowering rule to Rust.
+    # Some ops (the _foreach_* family, native_layer_norm, ...) have composite kernels that
+    # would split them before they reach the backend; Rust lists those it lowers whole, and
+    # every overload of each is routed to it.
     names = []
-    for op in _C.lowered_ops():
+    for op in _C.claimed_ops():
         base = op.split("::", 1)[1]
-        if not base.startswith("_foreach_"):
-            continue
         for variant in (base, base + "_"):
             packet = getattr(torch.ops.aten, variant, None)
             if packet is None:

@@ -151,20 +151,7 @@ impl Sources for GraphSources<'_> {
     }
 
     fn rng(&mut self, _gen: Option<Path>, consumed: u64) -> Result<()> {
-        let (seed, offset) = match self.gen {
-            // SAFETY: the shim passes the generator's live [seed, offset] and holds its lock.
-            Some(g) if !g.is_null() => unsafe {
-                let s = *g;
-                let o = *g.add(1);
-                *g.add(1) = o.wrapping_add(consumed as i64);
-                (s, o)
-            },
-            _ => (0, 0),
-        };
-        let mut bytes = Vec::with_capacity(16);
-        bytes.extend_from_slice(&seed.to_le_bytes());
-        bytes.extend_from_slice(&offset.to_le_bytes());
-        self.inputs.push(Arc::new(self.rt.upload(&bytes, DType::I64, &[2], self.device)?));
+        self.inputs.push(crate::rng_input(self.rt, self.gen, self.device, consumed)?);
         self.sources.push(Src::Rng(consumed));
         Ok(())
     }
@@ -444,22 +431,7 @@ impl Runtime {
                     unsafe { &**s }.buffer_as(self, *dt)?
                 }
                 Param_::Const(b) => b.clone(),
-                Param_::Rng(n) => {
-                    let (seed, offset) = if gen.is_null() {
-                        (0, 0)
-                    } else {
-                        // SAFETY: the generator's live [seed, offset].
-                        unsafe {
-                            let o = *gen.add(1);
-                            *gen.add(1) = o.wrapping_add(*n as i64);
-                            (*gen, o)
-                        }
-                    };
-                    let mut bytes = Vec::with_capacity(16);
-                    bytes.extend_from_slice(&seed.to_le_bytes());
-                    bytes.extend_from_slice(&offset.to_le_bytes());
-                    Arc::new(self.upload(&bytes, DType::I64, &[2], c.device)?)
-                }
+                Param_::Rng(n) => crate::rng_input(self, Some(gen), c.device, *n)?,
             });
         }
         let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();

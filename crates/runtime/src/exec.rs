@@ -752,20 +752,7 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
                     RArg::Generator(g) => Some(g),
                     _ => None,
                 });
-                let (seed, offset) = match state {
-                    // SAFETY: the shim passes a pointer to the generator's live [seed, offset].
-                    Some(g) if !g.is_null() => unsafe {
-                        let s = *g;
-                        let o = *g.add(1);
-                        *g.add(1) = o.wrapping_add(prog.rng_consumed as i64);
-                        (s, o)
-                    },
-                    _ => (0, 0),
-                };
-                let mut bytes = Vec::with_capacity(16);
-                bytes.extend_from_slice(&seed.to_le_bytes());
-                bytes.extend_from_slice(&offset.to_le_bytes());
-                bufs.push(Arc::new(rt.upload(&bytes, DType::I64, &[2], device)?));
+                bufs.push(crate::rng_input(rt, state, device, prog.rng_consumed)?);
             }
         }
     }

@@ -56,6 +56,29 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// Where runtime warnings go: the Python extension installs `warnings.warn` here.
 pub static WARN: OnceLock<fn(&str)> = OnceLock::new();
 
+/// The device's default generator state [seed, offset] (set by the PyTorch glue), used by
+/// random ops that take no generator argument (e.g. dropout).
+pub static DEFAULT_GENERATOR: OnceLock<fn(usize) -> *mut i64> = OnceLock::new();
+
+/// The RNG input of a program: [seed, offset] of `gen` (or the device's default
+/// generator), whose offset then advances past the `consumed` values.
+pub(crate) fn rng_input(rt: &Runtime, gen: Option<*mut i64>, device: usize, consumed: u64) -> Result<Arc<pjrt::Buffer>> {
+    let g = gen.filter(|g| !g.is_null()).or_else(|| DEFAULT_GENERATOR.get().map(|f| f(device))).filter(|g| !g.is_null());
+    let (seed, offset) = match g {
+        // SAFETY: a live generator's [seed, offset] (the shim's generators are never freed).
+        Some(g) => unsafe {
+            let o = *g.add(1);
+            *g.add(1) = o.wrapping_add(consumed as i64);
+            (*g, o)
+        },
+        None => (0, 0),
+    };
+    let mut bytes = Vec::with_capacity(16);
+    bytes.extend_from_slice(&seed.to_le_bytes());
+    bytes.extend_from_slice(&offset.to_le_bytes());
+    Ok(Arc::new(rt.upload(&bytes, DType::I64, &[2], device)?))
+}
+
 /// Emits a warning through `WARN` (stderr before it is set). Never call with a lock held
 /// that a thread holding the GIL may wait for.
 pub fn warn(msg: &str) {
@@ -219,4 +242,9 @@ impl Runtime {
 /// Names of the ops with a native lowering rule.
 pub fn lowered_ops() -> Vec<&'static str> {
     lowering::rules::names()
+}
+
+/// Ops whose every overload the glue must route to the runtime (see `rules::claimed`).
+pub fn claimed_ops() -> Vec<&'static str> {
+    lowering::rules::claimed()
 }

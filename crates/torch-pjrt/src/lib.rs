@@ -62,6 +62,10 @@ fn _init(search_dirs: Vec<String>) -> PyResult<()> {
     let dirs: Vec<PathBuf> = search_dirs.into_iter().map(PathBuf::from).collect();
     let _ = runtime::WARN.set(warn);
     runtime::init(&dirs).map_err(|e| PyRuntimeError::new_err(e.msg))?;
+    let _ = runtime::DEFAULT_GENERATOR.set(|d| {
+        // SAFETY: returns the device's (never freed) default generator state, or NULL.
+        unsafe { tpu_shim_generator_state(d as i32) }
+    });
     // SAFETY: tpu_shim_init is idempotent and returns NULL or a static message.
     let msg = unsafe { tpu_shim_init() };
     if !msg.is_null() {
@@ -221,6 +225,12 @@ fn lowered_ops() -> Vec<&'static str> {
     lowering_names()
 }
 
+/// Ops whose overloads must be routed to Rust over their composite kernels.
+#[pyfunction]
+fn claimed_ops() -> Vec<&'static str> {
+    runtime::claimed_ops()
+}
+
 fn lowering_names() -> Vec<&'static str> {
     runtime::lowered_ops()
 }
@@ -247,6 +257,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_cache_dir, m)?)?;
     compiled::register(m)?;
     m.add_function(wrap_pyfunction!(register_boxed, m)?)?;
+    m.add_function(wrap_pyfunction!(claimed_ops, m)?)?;
     m.add_function(wrap_pyfunction!(set_eager_mode, m)?)?;
     Ok(())
 }

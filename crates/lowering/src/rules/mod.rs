@@ -50,6 +50,15 @@ pub fn lookup(op: &str) -> Option<Rule> {
     table().get(op).copied()
 }
 
+/// Ops whose composite kernels would split them before they reach the backend, although a
+/// rule (with its backward) covers them whole: the glue routes all their overloads here.
+pub fn claimed() -> Vec<&'static str> {
+    let explicit = ["aten::native_layer_norm", "aten::native_group_norm", "aten::_native_batch_norm_legit_no_training"];
+    let mut v: Vec<&str> = explicit.into_iter().filter(|n| table().contains_key(n)).collect();
+    v.extend(names().into_iter().filter(|n| n.starts_with("aten::_foreach_")));
+    v
+}
+
 /// Every op name with a rule (for coverage reports).
 pub fn names() -> Vec<&'static str> {
     let mut v: Vec<&str> = table().keys().copied().collect();
