@@ -64,11 +64,13 @@ pub struct Ctx<'a> {
     /// Values to store into tensor arguments the schema does not mark as mutated
     /// (e.g. BatchNorm's running stats): (argument name, new value).
     pub writes: Vec<(String, Value)>,
+    /// Dtypes of the `out=` tensors (factories like `arange.out` compute in them).
+    pub out_dtypes: Vec<DType>,
 }
 
 impl<'a> Ctx<'a> {
     pub fn new(b: &'a mut Builder, op: &'a str, overload: &'a str, args: &'a Args) -> Self {
-        Ctx { b, op, overload, args, rng_state: None, rng_consumed: 0, writes: Vec::new() }
+        Ctx { b, op, overload, args, rng_state: None, rng_consumed: 0, writes: Vec::new(), out_dtypes: Vec::new() }
     }
 
     /// The value of tensor argument `name`.

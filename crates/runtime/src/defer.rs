@@ -82,6 +82,16 @@ impl Deferred {
         }
     }
 
+    /// An op fell back to the CPU: a graph being captured cannot be replayed.
+    pub fn note_fallback(&self) {
+        for g in &self.graphs {
+            let mut g = lock(g);
+            if g.capturing {
+                g.broken = true;
+            }
+        }
+    }
+
     pub fn pending_ops(&self, device: usize) -> usize {
         self.graphs.get(device).map(|g| lock(g).ops).unwrap_or(0)
     }

@@ -503,6 +503,7 @@ pub(crate) fn lower_into(
         args.items.push((p.name.clone(), to_arg(&p.arg, i, None, &values)));
     }
     let mut ctx = Ctx::new(b, op, overload, &args);
+    ctx.out_dtypes = tensors(params).iter().filter(|(p, _)| params[p.0].is_out).filter_map(|(_, t)| t.dtype).collect();
     let outs = match rule(&mut ctx) {
         Ok(o) => o,
         Err(e) => return Ok(LowerOutcome::Declined(user(e)?)),

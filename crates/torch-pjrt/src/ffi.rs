@@ -269,6 +269,7 @@ pub unsafe extern "C" fn tpu_rs_fallback_begin(op_name: *const c_char, err: *mut
         let base = name.split('.').next().unwrap_or(&name).to_string();
         if let Ok(rt) = rt() {
             rt.metrics.fallback(&base);
+            rt.defer.note_fallback();
         }
         let first = {
             let mut w = WARNED.lock().unwrap_or_else(|e| e.into_inner());

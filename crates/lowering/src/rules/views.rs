@@ -171,6 +171,88 @@ pub fn expand_check(from: &[i64], to: &[i64]) -> LResult<()> {
     Ok(())
 }
 
+/// The dtype a factory computes in: the out= tensor's, else `dtype`, else PyTorch's default.
+fn factory_dtype(c: &Ctx, default: DType) -> DType {
+    c.out_dtypes.first().copied().or(c.args.opt_dtype("dtype")).unwrap_or(default)
+}
+
+fn arange(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let start = c.args.opt_scalar("start").unwrap_or(crate::args::Scalar::Int(0));
+    let end = c.args.scalar("end")?;
+    let step = c.args.opt_scalar("step").unwrap_or(crate::args::Scalar::Int(1));
+    let is_int = |s: crate::args::Scalar| !matches!(s, crate::args::Scalar::Float(_));
+    let default = if is_int(start) && is_int(end) && is_int(step) { DType::I64 } else { DType::F32 };
+    let dt = factory_dtype(c, default);
+    let (s, e, st) = (start.as_f64(), end.as_f64(), step.as_f64());
+    if st == 0.0 {
+        return user_err(ErrorKind::Runtime, "step must be nonzero");
+    }
+    if !s.is_finite() || !e.is_finite() {
+        return user_err(ErrorKind::Runtime, format!("unsupported range: {s} -> {e}"));
+    }
+    if (st > 0.0 && e < s) || (st < 0.0 && e > s) {
+        return user_err(ErrorKind::Runtime, "upper bound and larger bound inconsistent with step sign");
+    }
+    let n = ((e - s) / st).ceil().max(0.0) as i64;
+    let b = &mut *c.b;
+    let v = if dt.is_float() {
+        let i = b.iota(DType::F64, &[n], 0);
+        let k = b.full(DType::F64, &[n], st);
+        let t = b.mul(i, k);
+        let o = b.full(DType::F64, &[n], s);
+        let t = b.add(o, t);
+        b.convert(t, dt)
+    } else {
+        let i = b.iota(DType::I64, &[n], 0);
+        let k = b.full(DType::I64, &[n], st);
+        let t = b.mul(i, k);
+        let o = b.full(DType::I64, &[n], s);
+        let t = b.add(o, t);
+        b.convert(t, dt)
+    };
+    Ok(vec![Out::T(v)])
+}
+
+fn linspace(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let steps = c.args.int("steps")?;
+    if steps < 0 {
+        return user_err(ErrorKind::Runtime, "number of steps must be non-negative");
+    }
+    let dt = factory_dtype(c, DType::F32);
+    let b = &mut *c.b;
+    let bound = |b: &mut stablehlo::Builder, a: &crate::Args, name: &str| -> LResult<stablehlo::Value> {
+        match a.opt_tensor(name) {
+            Some(t) => {
+                let v = b.convert(t.value, DType::F64);
+                Ok(b.reshape(v, &[]))
+            }
+            None => Ok(b.constant(DType::F64, a.scalar(name)?.as_f64())),
+        }
+    };
+    let s = bound(b, c.args, "start")?;
+    let e = bound(b, c.args, "end")?;
+    let n = steps;
+    // Symmetric form: the first half steps up from start, the second half down from end.
+    let d = b.sub(e, s);
+    let den = b.constant(DType::F64, (n - 1).max(1) as f64);
+    let step = b.div(d, den);
+    let step = b.broadcast_in_dim(step, &[n], &[]);
+    let i = b.iota(DType::F64, &[n], 0);
+    let sb = b.broadcast_in_dim(s, &[n], &[]);
+    let eb = b.broadcast_in_dim(e, &[n], &[]);
+    let lo = b.mul(i, step);
+    let lo = b.add(sb, lo);
+    let last = b.full(DType::F64, &[n], (n - 1) as f64);
+    let r = b.sub(last, i);
+    let hi = b.mul(r, step);
+    let hi = b.sub(eb, hi);
+    let half = b.full(DType::F64, &[n], (n / 2) as f64);
+    let first = b.compare(i, half, stablehlo::CmpDir::Lt);
+    let v = b.select(first, lo, hi);
+    let v = b.convert(v, dt);
+    Ok(vec![Out::T(v)])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::cat", cat),
     ("aten::flip", flip),
@@ -178,4 +260,6 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::repeat", repeat),
     ("aten::clone", clone),
     ("torch_pjrt::copy", copy),
+    ("aten::arange", arange),
+    ("aten::linspace", linspace),
 ];

@@ -1,0 +1,91 @@
+"""Eager modes: GPT and MLP training steps in Strict, Debug and DeferAndFuse, vs PyTorch CPU.
+
+Each configuration runs in its own fresh process (so its peak host memory, ru_maxrss, is its
+own), all in one run of this script. Step times are medians of warm repetitions; the first
+steps (compilation) are excluded. A loop of small ops compares Strict with Debug.
+Prints ratios; no thresholds.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+MODES = {"strict": "DEFER_NEVER", "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING",
+         "defer_and_fuse": "DEFER_AND_FUSE"}
+
+
+def worker(model, mode, warmup, reps):
+    import resource
+
+    import torch
+
+    sys.path.insert(0, HERE)
+    import models
+
+    device = "cpu"
+    if mode != "cpu":
+        import torch_pjrt  # noqa: F401
+
+        torch.tpu.eager_mode = getattr(torch.tpu.EagerMode, MODES[mode])
+        device = "tpu"
+    if model == "small_ops":
+        x = torch.ones(16, device=device)
+
+        def step():
+            y = x
+            for _ in range(200):
+                y = y * 1.0001 + 0.0001
+            return y.sum().item()
+    else:
+        step = getattr(models, f"{model}_step")(device)
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"ms": statistics.median(times) * 1e3, "rss_mb": rss}))
+
+
+def run(model, mode, warmup, reps):
+    out = subprocess.run(
+        [sys.executable, __file__, "--worker", model, mode, str(warmup), str(reps)],
+        capture_output=True, text=True, check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        model, mode, warmup, reps = a.worker
+        worker(model, mode, int(warmup), int(reps))
+        return
+    warmup, reps = (3, 5) if a.quick else (5, 15)
+    load = os.getloadavg()[0]
+    print(f"eager modes (load average {load:.1f} on {os.cpu_count()} cores)")
+    print(f"{'step':<10} {'config':<16} {'ms/step':>9} {'steps/s':>8} {'vs Strict':>10} "
+          f"{'vs CPU':>7} {'peak RSS MB':>12}")
+    for model in ("gpt", "mlp", "small_ops"):
+        res = {m: run(model, m, warmup, reps) for m in ("cpu", "strict", "debug", "defer_and_fuse")}
+        strict = res["strict"]["ms"]
+        for m, r in res.items():
+            print(f"{model:<10} {m:<16} {r['ms']:>9.2f} {1e3 / r['ms']:>8.1f} "
+                  f"{strict / r['ms']:>9.2f}x {res['cpu']['ms'] / r['ms']:>6.2f}x {r['rss_mb']:>12.0f}")
+    if load >= (os.cpu_count() or 1):
+        print(f"note: load average {load:.1f} at the start: other processes shared the cores")
+
+
+if __name__ == "__main__":
+    main()
