@@ -23,7 +23,10 @@ fn main() {
     println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
     let py = python();
     let out = Command::new(&py)
-        .args(["-c", "import os, torch; print(os.path.dirname(torch.__file__))"])
+        .args([
+            "-c",
+            "import os, torch; print(os.path.dirname(torch.__file__))",
+        ])
         .output()
         .unwrap_or_else(|e| panic!("running {py} to find torch: {e}"));
     if !out.status.success() {

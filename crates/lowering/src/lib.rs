@@ -70,7 +70,16 @@ pub struct Ctx<'a> {
 
 impl<'a> Ctx<'a> {
     pub fn new(b: &'a mut Builder, op: &'a str, overload: &'a str, args: &'a Args) -> Self {
-        Ctx { b, op, overload, args, rng_state: None, rng_consumed: 0, writes: Vec::new(), out_dtypes: Vec::new() }
+        Ctx {
+            b,
+            op,
+            overload,
+            args,
+            rng_state: None,
+            rng_consumed: 0,
+            writes: Vec::new(),
+            out_dtypes: Vec::new(),
+        }
     }
 
     /// The value of tensor argument `name`.

@@ -140,13 +140,22 @@ mod tests {
     #[test]
     fn result_type_with_numbers() {
         // int tensor + 2.5 -> float32; float16 tensor + 2.5 -> float16
-        assert_eq!(result_type(&[Operand::Dim(I32), Operand::Number(Scalar::Float(2.5))]), F32);
-        assert_eq!(result_type(&[Operand::Dim(F16), Operand::Number(Scalar::Float(2.5))]), F16);
+        assert_eq!(
+            result_type(&[Operand::Dim(I32), Operand::Number(Scalar::Float(2.5))]),
+            F32
+        );
+        assert_eq!(
+            result_type(&[Operand::Dim(F16), Operand::Number(Scalar::Float(2.5))]),
+            F16
+        );
         // int8 tensor + int64 0-d tensor -> int8
         assert_eq!(result_type(&[Operand::Dim(I8), Operand::ZeroDim(I64)]), I8);
         // int8 tensor + float64 0-d tensor -> float32? no: zero-dim float wins category -> F64
         assert_eq!(result_type(&[Operand::Dim(I8), Operand::ZeroDim(F64)]), F64);
         // bool tensor + 1 -> int64
-        assert_eq!(result_type(&[Operand::Dim(Bool), Operand::Number(Scalar::Int(1))]), I64);
+        assert_eq!(
+            result_type(&[Operand::Dim(Bool), Operand::Number(Scalar::Int(1))]),
+            I64
+        );
     }
 }

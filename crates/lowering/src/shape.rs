@@ -7,8 +7,16 @@ pub fn broadcast_shapes(a: &[i64], b: &[i64]) -> LResult<Vec<i64>> {
     let n = a.len().max(b.len());
     let mut out = vec![0; n];
     for i in 0..n {
-        let da = if i + a.len() >= n { a[i + a.len() - n] } else { 1 };
-        let db = if i + b.len() >= n { b[i + b.len() - n] } else { 1 };
+        let da = if i + a.len() >= n {
+            a[i + a.len() - n]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= n {
+            b[i + b.len() - n]
+        } else {
+            1
+        };
         out[i] = if da == db || db == 1 {
             da
         } else if da == 1 {
@@ -53,8 +61,7 @@ pub fn wrap_dim(dim: i64, rank: usize) -> LResult<usize> {
 /// The dims a reduction runs over: all of them when `dims` is empty or absent.
 pub fn reduce_dims(dims: Option<&[i64]>, rank: usize) -> LResult<Vec<i64>> {
     match dims {
-        None => Ok((0..rank as i64).collect()),
-        Some(d) if d.is_empty() => Ok((0..rank as i64).collect()),
+        None | Some([]) => Ok((0..rank as i64).collect()),
         Some(d) => {
             let mut out = Vec::new();
             for x in d {

@@ -12,11 +12,18 @@ pub struct Cache {
 
 impl Cache {
     pub fn get(&self, key: &str) -> Option<Arc<Program>> {
-        self.map.lock().unwrap_or_else(|e| e.into_inner()).get(key).cloned()
+        self.map
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(key)
+            .cloned()
     }
 
     pub fn insert(&self, key: String, p: Arc<Program>) {
-        self.map.lock().unwrap_or_else(|e| e.into_inner()).insert(key, p);
+        self.map
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, p);
     }
 
     pub fn len(&self) -> usize {

@@ -9,7 +9,12 @@ use crate::{host, Error, Result, Runtime};
 use stablehlo::DType;
 
 fn p(name: &str, arg: RArg, out: bool) -> Param {
-    Param { name: name.into(), arg, is_write: out, is_out: out }
+    Param {
+        name: name.into(),
+        arg,
+        is_write: out,
+        is_out: out,
+    }
 }
 
 fn dims_arg(sizes: &[i64]) -> RArg {
@@ -17,7 +22,12 @@ fn dims_arg(sizes: &[i64]) -> RArg {
 }
 
 fn dtype_of(t: &TensorRef) -> Result<DType> {
-    t.dtype.ok_or_else(|| Error::new(crate::ErrorKind::NotImplemented, "copy of a dtype the tpu device does not support"))
+    t.dtype.ok_or_else(|| {
+        Error::new(
+            crate::ErrorKind::NotImplemented,
+            "copy of a dtype the tpu device does not support",
+        )
+    })
 }
 
 /// `dst.copy_(src)`: any mix of host and device, with dtype conversion and broadcasting.
@@ -56,7 +66,9 @@ pub fn copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
             unsafe { host::write(dp, &dst.view, ddt.size(), &bytes) };
             Ok(())
         }
-        (Loc::Host(_), Loc::Host(_)) => Err(Error::runtime("copy between two CPU tensors reached the tpu backend")),
+        (Loc::Host(_), Loc::Host(_)) => Err(Error::runtime(
+            "copy between two CPU tensors reached the tpu backend",
+        )),
     }
 }
 
@@ -76,7 +88,12 @@ fn device_copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
 }
 
 /// `src` converted to `dtype` and broadcast to `sizes`, as a new contiguous device buffer.
-fn converted(rt: &Runtime, src: &TensorRef, dtype: DType, sizes: &[i64]) -> Result<Arc<pjrt::Buffer>> {
+fn converted(
+    rt: &Runtime,
+    src: &TensorRef,
+    dtype: DType,
+    sizes: &[i64],
+) -> Result<Arc<pjrt::Buffer>> {
     let params = [
         p("self", RArg::Tensor(src.clone()), false),
         p("dtype", RArg::ScalarType(Some(dtype)), false),
@@ -87,7 +104,9 @@ fn converted(rt: &Runtime, src: &TensorRef, dtype: DType, sizes: &[i64]) -> Resu
             Some(Ret::Tensor { handle, .. }) => {
                 // SAFETY: dispatch returns a fresh Box<Storage> that we own.
                 let s = unsafe { Box::from_raw(handle) };
-                let (buf, _) = s.current()?.ok_or_else(|| Error::runtime("copy produced no buffer"))?;
+                let (buf, _) = s
+                    .current()?
+                    .ok_or_else(|| Error::runtime("copy produced no buffer"))?;
                 Ok(buf)
             }
             _ => Err(Error::runtime("copy produced no tensor")),
@@ -116,7 +135,11 @@ pub fn item(rt: &Runtime, t: &TensorRef) -> Result<Item> {
     let dst = TensorRef {
         loc: Loc::Host(bytes.as_mut_ptr()),
         dtype: Some(dt),
-        view: View { sizes: t.view.sizes.clone(), strides: vec![0; t.view.sizes.len()], offset: 0 },
+        view: View {
+            sizes: t.view.sizes.clone(),
+            strides: vec![0; t.view.sizes.len()],
+            offset: 0,
+        },
         nbytes: dt.size() as i64,
         wrapped: false,
         device: 0,

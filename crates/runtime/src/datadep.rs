@@ -41,7 +41,11 @@ fn host_bytes(rt: &Runtime, t: &TensorRef, sizes: &[i64], dtype: DType) -> Resul
     let dst = TensorRef {
         loc: Loc::Host(bytes.as_mut_ptr()),
         dtype: Some(dtype),
-        view: View { sizes: sizes.to_vec(), strides: contiguous_strides(sizes), offset: 0 },
+        view: View {
+            sizes: sizes.to_vec(),
+            strides: contiguous_strides(sizes),
+            offset: 0,
+        },
         nbytes: bytes.len() as i64,
         wrapped: false,
         device: 0,
@@ -53,11 +57,22 @@ fn host_bytes(rt: &Runtime, t: &TensorRef, sizes: &[i64], dtype: DType) -> Resul
     Ok(bytes)
 }
 
-fn new_tensor(rt: &Runtime, bytes: &[u8], dtype: DType, sizes: Vec<i64>, device: usize) -> Result<Ret> {
+fn new_tensor(
+    rt: &Runtime,
+    bytes: &[u8],
+    dtype: DType,
+    sizes: Vec<i64>,
+    device: usize,
+) -> Result<Ret> {
     let n: i64 = sizes.iter().product();
     let buf = rt.upload(bytes, dtype, &[n], device)?;
     let s = Box::new(Storage::with_buffer(Arc::new(buf), dtype, device));
-    Ok(Ret::Tensor { handle: Box::into_raw(s), dtype, sizes, device })
+    Ok(Ret::Tensor {
+        handle: Box::into_raw(s),
+        dtype,
+        sizes,
+        device,
+    })
 }
 
 fn nonzero(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
@@ -77,13 +92,21 @@ fn nonzero(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
             }
         }
     }
-    Ok(vec![new_tensor(rt, &out, DType::I64, vec![count, sizes.len() as i64], t.device)?])
+    Ok(vec![new_tensor(
+        rt,
+        &out,
+        DType::I64,
+        vec![count, sizes.len() as i64],
+        t.device,
+    )?])
 }
 
 fn masked_select(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
     let t = tensor(params, "self")?;
     let m = tensor(params, "mask")?;
-    let dtype = t.dtype.ok_or_else(|| Error::runtime("masked_select: unsupported dtype"))?;
+    let dtype = t
+        .dtype
+        .ok_or_else(|| Error::runtime("masked_select: unsupported dtype"))?;
     let shape = broadcast_shapes(&t.view.sizes, &m.view.sizes).map_err(|e| match e {
         lowering::LowerError::User(k, msg) => Error::new(k, msg),
         lowering::LowerError::Declined(w) => Error::runtime(w),
@@ -98,7 +121,11 @@ fn masked_select(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
         }
     }
     let n = (out.len() / k) as i64;
-    let device = if matches!(t.loc, Loc::Device(_)) { t.device } else { m.device };
+    let device = if matches!(t.loc, Loc::Device(_)) {
+        t.device
+    } else {
+        m.device
+    };
     Ok(vec![new_tensor(rt, &out, dtype, vec![n], device)?])
 }
 
@@ -110,6 +137,10 @@ fn expand(t: &TensorRef, shape: &[i64]) -> TensorRef {
         strides[off + i] = if *s == shape[off + i] { *st } else { 0 };
     }
     let mut e = t.clone();
-    e.view = View { sizes: shape.to_vec(), strides, offset: t.view.offset };
+    e.view = View {
+        sizes: shape.to_vec(),
+        strides,
+        offset: t.view.offset,
+    };
     e
 }

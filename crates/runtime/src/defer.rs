@@ -11,7 +11,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use stablehlo::{Builder, DType, TensorType, Value};
 
-use crate::exec::{lower_into, returns_of, tensor_at, Loc, LowerOutcome, Outcome, Param, Path, RArg, Ret, Sources, TensorRef, Variant};
+use crate::exec::{
+    lower_into, returns_of, tensor_at, Loc, LowerOutcome, Outcome, Param, Path, RArg, Ret, Sources,
+    TensorRef, Variant,
+};
 use crate::storage::Storage;
 use crate::{host, Error, Result, Runtime};
 
@@ -66,10 +69,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Deferred {
     pub fn new(devices: usize) -> Deferred {
-        let max_ops = std::env::var("TORCH_TPU_DEFER_MAX_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(4000);
+        let max_ops = std::env::var("TORCH_TPU_DEFER_MAX_OPS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(4000);
         Deferred {
-            graphs: (0..devices.max(1)).map(|_| Mutex::new(Graph::new())).collect(),
-            lazy: (0..devices.max(1)).map(|_| Mutex::new(HashMap::new())).collect(),
+            graphs: (0..devices.max(1))
+                .map(|_| Mutex::new(Graph::new()))
+                .collect(),
+            lazy: (0..devices.max(1))
+                .map(|_| Mutex::new(HashMap::new()))
+                .collect(),
             programs: Mutex::new(HashMap::new()),
             max_ops,
         }
@@ -113,8 +123,17 @@ struct GraphSources<'a> {
 }
 
 impl Sources for GraphSources<'_> {
-    fn storage(&mut self, b: &mut Builder, _path: Path, t: &TensorRef, dtype: DType, n: i64) -> Result<Value> {
-        let Loc::Device(p) = t.loc else { return Err(Error::runtime("host tensor as storage")) };
+    fn storage(
+        &mut self,
+        b: &mut Builder,
+        _path: Path,
+        t: &TensorRef,
+        dtype: DType,
+        n: i64,
+    ) -> Result<Value> {
+        let Loc::Device(p) = t.loc else {
+            return Err(Error::runtime("host tensor as storage"));
+        };
         let key = p as usize;
         let pending = lock(self.lazy).get(&key).copied();
         if let Some((v, d)) = pending {
@@ -144,7 +163,9 @@ impl Sources for GraphSources<'_> {
     }
 
     fn host(&mut self, b: &mut Builder, _path: Path, t: &TensorRef, dtype: DType) -> Result<Value> {
-        let Loc::Host(p) = t.loc else { return Err(Error::runtime("device tensor as host input")) };
+        let Loc::Host(p) = t.loc else {
+            return Err(Error::runtime("device tensor as host input"));
+        };
         // SAFETY: PyTorch keeps the CPU tensor alive during the call; the view is inside it.
         let bytes = unsafe { host::read(p, &t.view, dtype.size()) };
         if self.capturing && t.view.numel() == 1 {
@@ -155,13 +176,19 @@ impl Sources for GraphSources<'_> {
             };
             return Ok(b.reshape(c, &t.view.sizes));
         }
-        self.inputs.push(Arc::new(self.rt.upload(&bytes, dtype, &t.view.sizes, self.device)?));
+        self.inputs.push(Arc::new(self.rt.upload(
+            &bytes,
+            dtype,
+            &t.view.sizes,
+            self.device,
+        )?));
         self.sources.push(Src::Host);
         Ok(b.param(TensorType::new(dtype, &t.view.sizes)))
     }
 
     fn rng(&mut self, _gen: Option<Path>, consumed: u64) -> Result<()> {
-        self.inputs.push(crate::rng_input(self.rt, self.gen, self.device, consumed)?);
+        self.inputs
+            .push(crate::rng_input(self.rt, self.gen, self.device, consumed)?);
         self.sources.push(Src::Rng(consumed));
         Ok(())
     }
@@ -169,17 +196,40 @@ impl Sources for GraphSources<'_> {
 
 impl Runtime {
     /// Records one op into the device's pending graph.
-    pub(crate) fn record(&self, op: &str, overload: &str, device: usize, params: &[Param], var: Variant) -> Result<Outcome> {
+    pub(crate) fn record(
+        &self,
+        op: &str,
+        overload: &str,
+        device: usize,
+        params: &[Param],
+        var: Variant,
+    ) -> Result<Outcome> {
         let d = &self.defer;
         let mut g = lock(&d.graphs[device]);
         let gen = params.iter().find_map(|p| match p.arg {
             RArg::Generator(g) => Some(g),
             _ => None,
         });
-        let Graph { b, inputs, sources, params: pmap, ops, capturing, .. } = &mut *g;
+        let Graph {
+            b,
+            inputs,
+            sources,
+            params: pmap,
+            ops,
+            capturing,
+            ..
+        } = &mut *g;
         let capturing = *capturing;
-        let mut src =
-            GraphSources { rt: self, device, inputs, sources, params: pmap, lazy: &d.lazy[device], gen, capturing };
+        let mut src = GraphSources {
+            rt: self,
+            device,
+            inputs,
+            sources,
+            params: pmap,
+            lazy: &d.lazy[device],
+            gen,
+            capturing,
+        };
         let low = match lower_into(b, &mut src, op, overload, device, params, var)? {
             LowerOutcome::Done(l) => l,
             LowerOutcome::Declined(w) => return Ok(Outcome::Declined(w)),
@@ -196,7 +246,12 @@ impl Runtime {
                 s.mark_lazy();
                 let h = Box::into_raw(s);
                 lazy.insert(h as usize, (flat, ty.dtype));
-                new.push(Ret::Tensor { handle: h, dtype: ty.dtype, sizes: ty.shape, device });
+                new.push(Ret::Tensor {
+                    handle: h,
+                    dtype: ty.dtype,
+                    sizes: ty.shape,
+                    device,
+                });
             }
             for (path, dtype, v) in &low.writes {
                 let t = tensor_at(params, *path);
@@ -219,7 +274,9 @@ impl Runtime {
     /// Runs the device's pending graph, if any.
     pub fn flush(&self, device: usize, reason: &str) -> Result<()> {
         let d = &self.defer;
-        let Some(gm) = d.graphs.get(device) else { return Ok(()) };
+        let Some(gm) = d.graphs.get(device) else {
+            return Ok(());
+        };
         let mut g = lock(gm);
         let mut lazy = lock(&d.lazy[device]);
         if g.ops == 0 && lazy.is_empty() {
@@ -233,7 +290,8 @@ impl Runtime {
             g.capturing = true;
             g.broken = true;
         }
-        let mut entries: Vec<(usize, Value, DType)> = lazy.drain().map(|(k, (v, t))| (k, v, t)).collect();
+        let mut entries: Vec<(usize, Value, DType)> =
+            lazy.drain().map(|(k, (v, t))| (k, v, t)).collect();
         // Output order must not depend on hashing, or the module text (the cache key) would.
         entries.sort_by_key(|e| (e.1, e.0));
         let outs: Vec<Value> = entries.iter().map(|e| e.1).collect();
@@ -244,13 +302,20 @@ impl Runtime {
         let cached = lock(&d.programs).get(&mlir).cloned();
         let exe = match cached {
             Some(e) => {
-                self.metrics.cache_hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics
+                    .cache_hits
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 e
             }
             None => {
-                self.metrics.cache_misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.metrics
+                    .cache_misses
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let exe = Arc::new(self.compile(&mlir, device, true).map_err(|e| {
-                    Error::runtime(format!("XLA failed to compile a deferred graph of {} ops: {}", graph.ops, e.msg))
+                    Error::runtime(format!(
+                        "XLA failed to compile a deferred graph of {} ops: {}",
+                        graph.ops, e.msg
+                    ))
                 })?);
                 lock(&d.programs).insert(mlir, exe.clone());
                 exe
@@ -258,7 +323,9 @@ impl Runtime {
         };
         let refs: Vec<&pjrt::Buffer> = graph.inputs.iter().map(|b| b.as_ref()).collect();
         let bufs = exe.execute(&refs)?;
-        self.metrics.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics
+            .executions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.metrics.flushed(graph.ops, reason);
         let bufs: Vec<Arc<pjrt::Buffer>> = bufs.into_iter().map(Arc::new).collect();
         self.track("deferred graph", &bufs);
@@ -336,10 +403,18 @@ impl Runtime {
         let mut results = Vec::new();
         let mut out_meta = Vec::new();
         for t in outputs {
-            let Loc::Device(p) = t.loc else { return Err(Error::runtime("compiled graph output on the CPU")) };
-            let dtype = t.dtype.ok_or_else(|| Error::runtime("unsupported output dtype"))?;
+            let Loc::Device(p) = t.loc else {
+                return Err(Error::runtime("compiled graph output on the CPU"));
+            };
+            let dtype = t
+                .dtype
+                .ok_or_else(|| Error::runtime("unsupported output dtype"))?;
             let key = p as usize;
-            let flat = match lazy.get(&key).copied().or_else(|| graph.params.get(&key).copied()) {
+            let flat = match lazy
+                .get(&key)
+                .copied()
+                .or_else(|| graph.params.get(&key).copied())
+            {
                 Some((v, dt)) if dt == dtype => v,
                 _ => {
                     // An output the graph never touched (an input passed through).
@@ -361,7 +436,10 @@ impl Runtime {
         let mut entries: Vec<(usize, (Value, DType))> = lazy.drain().collect();
         entries.sort_by_key(|e| (e.1 .0, e.0));
         for (key, (v, dt)) in entries {
-            match inputs.iter().position(|t| matches!(t.loc, Loc::Device(p) if p as usize == key)) {
+            match inputs
+                .iter()
+                .position(|t| matches!(t.loc, Loc::Device(p) if p as usize == key))
+            {
                 Some(i) => {
                     results.push(v);
                     input_writes.push((i, dt));
@@ -388,7 +466,10 @@ impl Runtime {
             .zip(&graph.inputs)
             .map(|(s, buf)| match *s {
                 Src::Storage(key, dt) => {
-                    match inputs.iter().position(|t| matches!(t.loc, Loc::Device(p) if p as usize == key)) {
+                    match inputs
+                        .iter()
+                        .position(|t| matches!(t.loc, Loc::Device(p) if p as usize == key))
+                    {
                         Some(i) => Param_::Input(i, dt),
                         None => Param_::Const(buf.clone()),
                     }
@@ -400,7 +481,9 @@ impl Runtime {
         // First call: run with the buffers bound at capture.
         let refs: Vec<&pjrt::Buffer> = graph.inputs.iter().map(|b| b.as_ref()).collect();
         let bufs: Vec<Arc<pjrt::Buffer>> = exe.execute(&refs)?.into_iter().map(Arc::new).collect();
-        self.metrics.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics
+            .executions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.track("compiled graph", &bufs);
         let _ = gen;
         let mut it = bufs.into_iter();
@@ -421,22 +504,48 @@ impl Runtime {
             // SAFETY: still in the lazy map until now, so alive (we hold its lock).
             unsafe { &*(*key as *const Storage) }.set_flushed(buf, *dt);
         }
-        Ok(Some((Captured { exe, params, outputs: out_meta, input_writes, device, mlir }, handles)))
+        Ok(Some((
+            Captured {
+                exe,
+                params,
+                outputs: out_meta,
+                input_writes,
+                device,
+                mlir,
+            },
+            handles,
+        )))
     }
 
     /// Runs a captured graph on new inputs (same metadata as at capture): returns new outputs
     /// and writes in-place updated inputs.
     /// For each program parameter: the input index it reads, or None (a constant or RNG).
     pub fn captured_inputs(c: &Captured) -> Vec<Option<usize>> {
-        c.params.iter().map(|p| if let Param_::Input(i, _) = p { Some(*i) } else { None }).collect()
+        c.params
+            .iter()
+            .map(|p| {
+                if let Param_::Input(i, _) = p {
+                    Some(*i)
+                } else {
+                    None
+                }
+            })
+            .collect()
     }
 
-    pub fn replay(&self, c: &Captured, inputs: &[*const Storage], gen: *mut i64) -> Result<Handles> {
+    pub fn replay(
+        &self,
+        c: &Captured,
+        inputs: &[*const Storage],
+        gen: *mut i64,
+    ) -> Result<Handles> {
         let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(c.params.len());
         for p in &c.params {
             bufs.push(match p {
                 Param_::Input(i, dt) => {
-                    let s = inputs.get(*i).ok_or_else(|| Error::runtime("compiled graph: missing input"))?;
+                    let s = inputs
+                        .get(*i)
+                        .ok_or_else(|| Error::runtime("compiled graph: missing input"))?;
                     // SAFETY: the caller holds the inputs alive.
                     unsafe { &**s }.buffer_as(self, *dt)?
                 }
@@ -445,8 +554,11 @@ impl Runtime {
             });
         }
         let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
-        let outs: Vec<Arc<pjrt::Buffer>> = c.exe.execute(&refs)?.into_iter().map(Arc::new).collect();
-        self.metrics.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let outs: Vec<Arc<pjrt::Buffer>> =
+            c.exe.execute(&refs)?.into_iter().map(Arc::new).collect();
+        self.metrics
+            .executions
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.track("compiled graph", &outs);
         let mut it = outs.into_iter();
         let mut handles = Vec::new();

@@ -73,7 +73,12 @@ pub struct Param {
 #[derive(Debug)]
 pub enum Ret {
     /// A new tensor; the handle is a `Box<Storage>` the caller now owns.
-    Tensor { handle: *mut Storage, dtype: DType, sizes: Vec<i64>, device: usize },
+    Tensor {
+        handle: *mut Storage,
+        dtype: DType,
+        sizes: Vec<i64>,
+        device: usize,
+    },
     Alias(usize),
     AliasElem(usize, usize),
     List(usize),
@@ -246,8 +251,15 @@ fn variant(op: &str, params: &[Param]) -> Variant {
 fn dynamic_scalars(op: &str, name: &str) -> bool {
     let base = op.trim_start_matches("aten::").trim_end_matches('_');
     let op_ok = base.starts_with("_foreach_")
-        || matches!(base, "add" | "sub" | "rsub" | "mul" | "div" | "addcmul" | "addcdiv" | "lerp");
-    op_ok && matches!(name, "alpha" | "value" | "other" | "weight" | "scalar" | "scalars" | "exponent")
+        || matches!(
+            base,
+            "add" | "sub" | "rsub" | "mul" | "div" | "addcmul" | "addcdiv" | "lerp"
+        );
+    op_ok
+        && matches!(
+            name,
+            "alpha" | "value" | "other" | "weight" | "scalar" | "scalars" | "exponent"
+        )
 }
 
 /// Replaces dynamic float scalars by host 0-d f64 tensors pointing into `store`.
@@ -257,7 +269,11 @@ fn wrap_scalars(op: &str, params: &[Param], store: &mut Vec<f64>) -> Option<Vec<
         RArg::List(items) => items.iter().filter(|x| matches!(x, RArg::Float(_))).count(),
         _ => 0,
     };
-    let n: usize = params.iter().filter(|p| dynamic_scalars(op, &p.name)).map(|p| count(&p.arg)).sum();
+    let n: usize = params
+        .iter()
+        .filter(|p| dynamic_scalars(op, &p.name))
+        .map(|p| count(&p.arg))
+        .sum();
     if n == 0 {
         return None;
     }
@@ -268,7 +284,11 @@ fn wrap_scalars(op: &str, params: &[Param], store: &mut Vec<f64>) -> Option<Vec<
         RArg::Tensor(TensorRef {
             loc: Loc::Host(ptr),
             dtype: Some(DType::F64),
-            view: View { sizes: vec![], strides: vec![], offset: 0 },
+            view: View {
+                sizes: vec![],
+                strides: vec![],
+                offset: 0,
+            },
             nbytes: 8,
             wrapped: true,
             device: 0,
@@ -282,7 +302,10 @@ fn wrap_scalars(op: &str, params: &[Param], store: &mut Vec<f64>) -> Option<Vec<
                 p.arg = match p.arg {
                     RArg::Float(f) => wrap(f),
                     RArg::List(items) => RArg::List(
-                        items.into_iter().map(|x| if let RArg::Float(f) = x { wrap(f) } else { x }).collect(),
+                        items
+                            .into_iter()
+                            .map(|x| if let RArg::Float(f) = x { wrap(f) } else { x })
+                            .collect(),
                     ),
                     a => a,
                 };
@@ -300,15 +323,21 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
     let params = wrapped.as_deref().unwrap_or(params);
     let var = variant(op, params);
     // Mutated arguments other than out=/self are not modelled by the rules.
-    let odd_write = params.iter().enumerate().any(|(i, p)| {
-        p.is_write && !p.is_out && !(var == Variant::Inplace && i == 0)
-    });
+    let odd_write = params
+        .iter()
+        .enumerate()
+        .any(|(i, p)| p.is_write && !p.is_out && !(var == Variant::Inplace && i == 0));
     if odd_write {
-        return Ok(Outcome::Declined(format!("{op} mutates an argument the rules do not model")));
+        return Ok(Outcome::Declined(format!(
+            "{op} mutates an argument the rules do not model"
+        )));
     }
     for p in params {
         if let RArg::Other(what) = &p.arg {
-            return Ok(Outcome::Declined(format!("argument '{}' of type {what}", p.name)));
+            return Ok(Outcome::Declined(format!(
+                "argument '{}' of type {what}",
+                p.name
+            )));
         }
     }
     let ts = tensors(params);
@@ -332,11 +361,15 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
     let k = key(op, overload, device, params);
     let prog = match rt.cache.get(&k) {
         Some(p) => {
-            rt.metrics.cache_hits.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            rt.metrics
+                .cache_hits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             p
         }
         None => {
-            rt.metrics.cache_misses.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            rt.metrics
+                .cache_misses
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             match build(rt, op, overload, device, params, var)? {
                 Built::Program(p) => {
                     let p = Arc::new(p);
@@ -353,7 +386,12 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
     Ok(Outcome::Done(returns_of(&prog.rets, params, var, new)))
 }
 
-pub(crate) fn returns_of(shapes: &[RetShape], params: &[Param], var: Variant, new: Vec<Ret>) -> Vec<Ret> {
+pub(crate) fn returns_of(
+    shapes: &[RetShape],
+    params: &[Param],
+    var: Variant,
+    new: Vec<Ret>,
+) -> Vec<Ret> {
     match var {
         Variant::Functional => {
             let mut it = new.into_iter();
@@ -409,7 +447,14 @@ fn user(e: LowerError) -> std::result::Result<String, Error> {
 /// values of a pending graph (DeferAndFuse).
 pub(crate) trait Sources {
     /// The flat value of a device storage, as `n` elements of `dtype`.
-    fn storage(&mut self, b: &mut Builder, path: Path, t: &TensorRef, dtype: DType, n: i64) -> Result<Value>;
+    fn storage(
+        &mut self,
+        b: &mut Builder,
+        path: Path,
+        t: &TensorRef,
+        dtype: DType,
+        n: i64,
+    ) -> Result<Value>;
     /// A host tensor, contiguous, of its view's shape.
     fn host(&mut self, b: &mut Builder, path: Path, t: &TensorRef, dtype: DType) -> Result<Value>;
     /// Binds the RNG parameter the rule created (it consumed `consumed` values).
@@ -478,12 +523,20 @@ pub(crate) fn lower_into(
                     None => {
                         let n = t.nbytes / dtype.size() as i64;
                         let flat = src.storage(b, path, t, dtype, n)?;
-                        slots.push(Slot { ptr: p, dtype, n, value: Some(flat), dirty_path: None });
+                        slots.push(Slot {
+                            ptr: p,
+                            dtype,
+                            n,
+                            value: Some(flat),
+                            dirty_path: None,
+                        });
                         slots.len() - 1
                     }
                 };
                 if slots[si].dtype != dtype {
-                    return Ok(LowerOutcome::Declined("one storage read as two dtypes".into()));
+                    return Ok(LowerOutcome::Declined(
+                        "one storage read as two dtypes".into(),
+                    ));
                 }
                 let flat = slots[si].value.expect("read slot has a value");
                 values.insert(path, layout::read(b, flat, &t.view));
@@ -500,10 +553,15 @@ pub(crate) fn lower_into(
         if let RArg::Generator(_) = p.arg {
             gen_path = Some((i, None));
         }
-        args.items.push((p.name.clone(), to_arg(&p.arg, i, None, &values)));
+        args.items
+            .push((p.name.clone(), to_arg(&p.arg, i, None, &values)));
     }
     let mut ctx = Ctx::new(b, op, overload, &args);
-    ctx.out_dtypes = tensors(params).iter().filter(|(p, _)| params[p.0].is_out).filter_map(|(_, t)| t.dtype).collect();
+    ctx.out_dtypes = tensors(params)
+        .iter()
+        .filter(|(p, _)| params[p.0].is_out)
+        .filter_map(|(_, t)| t.dtype)
+        .collect();
     let outs = match rule(&mut ctx) {
         Ok(o) => o,
         Err(e) => return Ok(LowerOutcome::Declined(user(e)?)),
@@ -516,8 +574,16 @@ pub(crate) fn lower_into(
     }
     let targets: Vec<Path> = match var {
         Variant::Functional => vec![],
-        Variant::Out => tensors(params).into_iter().filter(|(p, _)| params[p.0].is_out).map(|(p, _)| p).collect(),
-        Variant::Inplace => tensors(params).into_iter().filter(|(p, _)| p.0 == 0).map(|(p, _)| p).collect(),
+        Variant::Out => tensors(params)
+            .into_iter()
+            .filter(|(p, _)| params[p.0].is_out)
+            .map(|(p, _)| p)
+            .collect(),
+        Variant::Inplace => tensors(params)
+            .into_iter()
+            .filter(|(p, _)| p.0 == 0)
+            .map(|(p, _)| p)
+            .collect(),
     };
     let flat_outs: Vec<Option<Value>> = outs
         .iter()
@@ -527,7 +593,11 @@ pub(crate) fn lower_into(
             Out::None => vec![None],
         })
         .collect();
-    let mut lowered = Lowered { rets: Vec::new(), new: Vec::new(), writes: Vec::new() };
+    let mut lowered = Lowered {
+        rets: Vec::new(),
+        new: Vec::new(),
+        writes: Vec::new(),
+    };
     if var == Variant::Functional {
         for o in &outs {
             lowered.rets.push(match o {
@@ -541,7 +611,9 @@ pub(crate) fn lower_into(
     let mut writes: Vec<(Path, Value)> = Vec::new();
     if var != Variant::Functional {
         if flat_outs.len() < targets.len() {
-            return Ok(LowerOutcome::Declined(format!("{op}: rule returned fewer results than outputs")));
+            return Ok(LowerOutcome::Declined(format!(
+                "{op}: rule returned fewer results than outputs"
+            )));
         }
         for (path, v) in targets.iter().zip(flat_outs.iter()) {
             if let Some(v) = v {
@@ -552,7 +624,11 @@ pub(crate) fn lower_into(
     for (name, v) in extra_writes {
         match params.iter().position(|p| p.name == name) {
             Some(i) if matches!(params[i].arg, RArg::Tensor(_)) => writes.push(((i, None), v)),
-            _ => return Ok(LowerOutcome::Declined(format!("{op}: rule writes unknown argument {name}"))),
+            _ => {
+                return Ok(LowerOutcome::Declined(format!(
+                    "{op}: rule writes unknown argument {name}"
+                )))
+            }
         }
     }
     let mut resize = Vec::new();
@@ -586,12 +662,20 @@ pub(crate) fn lower_into(
         let si = match slots.iter().position(|s| s.ptr == p) {
             Some(i) => i,
             None => {
-                slots.push(Slot { ptr: p, dtype: tdt, n: t.nbytes / tdt.size() as i64, value: None, dirty_path: None });
+                slots.push(Slot {
+                    ptr: p,
+                    dtype: tdt,
+                    n: t.nbytes / tdt.size() as i64,
+                    value: None,
+                    dirty_path: None,
+                });
                 slots.len() - 1
             }
         };
         if slots[si].dtype != tdt {
-            return Ok(LowerOutcome::Declined("one storage written as two dtypes".into()));
+            return Ok(LowerOutcome::Declined(
+                "one storage written as two dtypes".into(),
+            ));
         }
         let n = slots[si].n;
         let cur = match slots[si].value {
@@ -622,7 +706,14 @@ struct ProgramInputs {
 }
 
 impl Sources for ProgramInputs {
-    fn storage(&mut self, b: &mut Builder, path: Path, _t: &TensorRef, dtype: DType, n: i64) -> Result<Value> {
+    fn storage(
+        &mut self,
+        b: &mut Builder,
+        path: Path,
+        _t: &TensorRef,
+        dtype: DType,
+        n: i64,
+    ) -> Result<Value> {
         self.inputs.push(Input::Storage { path, dtype });
         Ok(b.param(TensorType::new(dtype, &[n])))
     }
@@ -646,7 +737,10 @@ fn build(
     var: Variant,
 ) -> Result<Built> {
     let mut b = Builder::new();
-    let mut src = ProgramInputs { inputs: Vec::new(), rng_consumed: 0 };
+    let mut src = ProgramInputs {
+        inputs: Vec::new(),
+        rng_consumed: 0,
+    };
     let low = match lower_into(&mut b, &mut src, op, overload, device, params, var)? {
         LowerOutcome::Done(l) => l,
         LowerOutcome::Declined(w) => return Ok(Built::Declined(w)),
@@ -657,11 +751,17 @@ fn build(
     for v in &low.new {
         let ty = b.ty(*v).clone();
         results.push(b.reshape(*v, &[ty.numel()]));
-        outputs.push(Output::New { dtype: ty.dtype, sizes: ty.shape });
+        outputs.push(Output::New {
+            dtype: ty.dtype,
+            sizes: ty.shape,
+        });
     }
     for (path, dtype, v) in &low.writes {
         results.push(*v);
-        outputs.push(Output::Write { path: *path, dtype: *dtype });
+        outputs.push(Output::Write {
+            path: *path,
+            dtype: *dtype,
+        });
     }
     let mlir = b.finish(&results);
     if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
@@ -678,16 +778,32 @@ fn build(
             e.msg
         ))
     })?;
-    Ok(Built::Program(Program { exe, inputs: src.inputs, outputs, rets: low.rets, rng_consumed: src.rng_consumed }))
+    Ok(Built::Program(Program {
+        exe,
+        inputs: src.inputs,
+        outputs,
+        rets: low.rets,
+        rng_consumed: src.rng_consumed,
+    }))
 }
 
 /// Debug mode: wait for the op, so its error is raised here; optionally check NaN/Inf.
 fn debug_check(rt: &Runtime, op: &str, params: &[Param], outs: &[Arc<pjrt::Buffer>]) -> Result<()> {
     let shapes = || {
-        tensors(params).iter().map(|(_, t)| shape_str(&t.view.sizes)).collect::<Vec<_>>().join(", ")
+        tensors(params)
+            .iter()
+            .map(|(_, t)| shape_str(&t.view.sizes))
+            .collect::<Vec<_>>()
+            .join(", ")
     };
     for b in outs {
-        b.ready().map_err(|e| Error::runtime(format!("{op} failed on the tpu device (inputs {}): {}", shapes(), e.message)))?;
+        b.ready().map_err(|e| {
+            Error::runtime(format!(
+                "{op} failed on the tpu device (inputs {}): {}",
+                shapes(),
+                e.message
+            ))
+        })?;
     }
     if crate::mode::check_nans() {
         for b in outs {
@@ -721,9 +837,13 @@ fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -
         RArg::Str(s) => Arg::Str(s.clone()),
         RArg::ScalarType(Some(d)) => Arg::ScalarType(*d),
         RArg::ScalarType(None) => Arg::Other,
-        RArg::List(items) => {
-            Arg::List(items.iter().enumerate().map(|(k, x)| to_arg(x, i, Some(k), values)).collect())
-        }
+        RArg::List(items) => Arg::List(
+            items
+                .iter()
+                .enumerate()
+                .map(|(k, x)| to_arg(x, i, Some(k), values))
+                .collect(),
+        ),
         RArg::Generator(_) | RArg::Other(_) => Arg::Other,
     }
 }
@@ -740,13 +860,24 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
             }
             Input::Host { path, dtype } => {
                 let t = tensor_at(params, *path);
-                let Loc::Host(p) = t.loc else { unreachable!("host input") };
-                let contiguous = View { sizes: t.view.sizes.clone(), strides: lowering::shape::contiguous_strides(&t.view.sizes), offset: 0 };
+                let Loc::Host(p) = t.loc else {
+                    unreachable!("host input")
+                };
+                let contiguous = View {
+                    sizes: t.view.sizes.clone(),
+                    strides: lowering::shape::contiguous_strides(&t.view.sizes),
+                    offset: 0,
+                };
                 let _ = contiguous;
                 // SAFETY: PyTorch keeps the CPU tensor alive during the call and its view is
                 // inside its storage.
                 let bytes = unsafe { host::read(p, &t.view, dtype.size()) };
-                bufs.push(Arc::new(rt.upload(&bytes, *dtype, &t.view.sizes, device)?));
+                bufs.push(Arc::new(rt.upload(
+                    &bytes,
+                    *dtype,
+                    &t.view.sizes,
+                    device,
+                )?));
             }
             Input::Rng { path } => {
                 let state = path.and_then(|p| match params[p.0].arg {
@@ -759,7 +890,9 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
     }
     let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
     let outs = prog.exe.execute(&refs)?;
-    rt.metrics.executions.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    rt.metrics
+        .executions
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let outs: Vec<Arc<pjrt::Buffer>> = outs.into_iter().map(Arc::new).collect();
     if crate::mode::get() == crate::mode::EagerMode::Debug {
         debug_check(rt, op, params, &outs)?;
@@ -772,10 +905,18 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
             Output::New { dtype, sizes } => {
                 let dev = buf.device();
                 let s = Box::new(Storage::with_buffer(buf, *dtype, dev));
-                new.push(Ret::Tensor { handle: Box::into_raw(s), dtype: *dtype, sizes: sizes.clone(), device: dev });
+                new.push(Ret::Tensor {
+                    handle: Box::into_raw(s),
+                    dtype: *dtype,
+                    sizes: sizes.clone(),
+                    device: dev,
+                });
             }
             Output::Write { path, dtype } => {
-                tensor_at(params, *path).storage().expect("device tensor").set(buf, *dtype)?;
+                tensor_at(params, *path)
+                    .storage()
+                    .expect("device tensor")
+                    .set(buf, *dtype)?;
             }
         }
     }

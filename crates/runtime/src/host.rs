@@ -34,7 +34,10 @@ pub unsafe fn read(base: *const u8, view: &View, itemsize: usize) -> Vec<u8> {
     if view.is_contiguous() {
         // SAFETY: the caller guarantees the range is inside the allocation.
         let s = unsafe {
-            std::slice::from_raw_parts(base.add(view.offset as usize * itemsize), view.numel() as usize * itemsize)
+            std::slice::from_raw_parts(
+                base.add(view.offset as usize * itemsize),
+                view.numel() as usize * itemsize,
+            )
         };
         out.extend_from_slice(s);
         return out;
@@ -56,7 +59,11 @@ pub unsafe fn write(base: *mut u8, view: &View, itemsize: usize, data: &[u8]) {
     for_each_offset(view, |off| {
         // SAFETY: in bounds by the caller's contract; `data` holds numel * itemsize bytes.
         unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr().add(i), base.add(off as usize * itemsize), itemsize);
+            std::ptr::copy_nonoverlapping(
+                data.as_ptr().add(i),
+                base.add(off as usize * itemsize),
+                itemsize,
+            );
         }
         i += itemsize;
     });
@@ -66,13 +73,19 @@ pub unsafe fn write(base: *mut u8, view: &View, itemsize: usize, data: &[u8]) {
 pub fn has_nan_or_inf(bytes: &[u8], dtype: stablehlo::DType) -> bool {
     use stablehlo::DType;
     match dtype {
-        DType::F32 => bytes.chunks_exact(4).any(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .any(|c| !f32::from_le_bytes([c[0], c[1], c[2], c[3]]).is_finite()),
         DType::F64 => bytes.chunks_exact(8).any(|c| {
             !f64::from_le_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]).is_finite()
         }),
         // Exponent all ones: 5 bits for half, 8 for bfloat16.
-        DType::F16 => bytes.chunks_exact(2).any(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7C00 == 0x7C00),
-        DType::BF16 => bytes.chunks_exact(2).any(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7F80 == 0x7F80),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .any(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7C00 == 0x7C00),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .any(|c| u16::from_le_bytes([c[0], c[1]]) & 0x7F80 == 0x7F80),
         _ => false,
     }
 }
@@ -95,7 +108,9 @@ pub fn scalar(b: &[u8], dtype: stablehlo::DType) -> Scalar {
         DType::U32 => Scalar::Int(u32::from_le_bytes([a[0], a[1], a[2], a[3]]) as i64),
         DType::I64 | DType::U64 => Scalar::Int(i64::from_le_bytes(a)),
         DType::F16 => Scalar::Float(half_to_f64(u16::from_le_bytes([a[0], a[1]]))),
-        DType::BF16 => Scalar::Float(f32::from_bits((u16::from_le_bytes([a[0], a[1]]) as u32) << 16) as f64),
+        DType::BF16 => {
+            Scalar::Float(f32::from_bits((u16::from_le_bytes([a[0], a[1]]) as u32) << 16) as f64)
+        }
         DType::F32 => Scalar::Float(f32::from_le_bytes([a[0], a[1], a[2], a[3]]) as f64),
         DType::F64 => Scalar::Float(f64::from_le_bytes(a)),
     }

@@ -60,9 +60,15 @@ pub fn read(b: &mut Builder, flat: Value, view: &View) -> Value {
 fn nested_read(b: &mut Builder, flat: Value, view: &View) -> Option<Value> {
     let n = b.shape(flat)[0];
     // Dims that address memory: size > 1 and stride > 0.
-    let mut real: Vec<usize> =
-        (0..view.sizes.len()).filter(|&i| view.sizes[i] > 1 && view.strides[i] > 0).collect();
-    if view.sizes.iter().zip(&view.strides).any(|(s, st)| *s > 1 && *st < 0) {
+    let mut real: Vec<usize> = (0..view.sizes.len())
+        .filter(|&i| view.sizes[i] > 1 && view.strides[i] > 0)
+        .collect();
+    if view
+        .sizes
+        .iter()
+        .zip(&view.strides)
+        .any(|(s, st)| *s > 1 && *st < 0)
+    {
         return None;
     }
     real.sort_by(|a, c| view.strides[*c].cmp(&view.strides[*a]));
@@ -77,7 +83,11 @@ fn nested_read(b: &mut Builder, flat: Value, view: &View) -> Option<Value> {
     let mut base = Vec::new();
     let mut take = Vec::new();
     for (j, &d) in real.iter().enumerate() {
-        let extent = if j == 0 { view.sizes[d] } else { view.strides[real[j - 1]] / view.strides[d] };
+        let extent = if j == 0 {
+            view.sizes[d]
+        } else {
+            view.strides[real[j - 1]] / view.strides[d]
+        };
         base.push(extent);
         take.push(view.sizes[d]);
     }
@@ -100,8 +110,10 @@ fn nested_read(b: &mut Builder, flat: Value, view: &View) -> Option<Value> {
     // Back to the original order of the real dims.
     let mut order: Vec<usize> = real.clone();
     order.sort();
-    let perm: Vec<i64> =
-        order.iter().map(|d| real.iter().position(|r| r == d).unwrap() as i64).collect();
+    let perm: Vec<i64> = order
+        .iter()
+        .map(|d| real.iter().position(|r| r == d).unwrap() as i64)
+        .collect();
     let x = b.transpose(x, &perm);
     // Re-insert size-1 dims and broadcast stride-0 dims.
     let dims: Vec<i64> = order.iter().map(|d| *d as i64).collect();
@@ -126,7 +138,12 @@ fn gather_read(b: &mut Builder, flat: Value, view: &View) -> Value {
     let idx = linear_indices(b, view);
     let dtype = b.dtype(flat);
     let attrs = "dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, slice_sizes = array<i64: 1>, indices_are_sorted = false";
-    let g = b.op("stablehlo.gather", &[flat, idx], attrs, TensorType::new(dtype, &[view.numel()]));
+    let g = b.op(
+        "stablehlo.gather",
+        &[flat, idx],
+        attrs,
+        TensorType::new(dtype, &[view.numel()]),
+    );
     b.reshape(g, &view.sizes)
 }
 
@@ -151,5 +168,11 @@ pub fn write(b: &mut Builder, flat: Value, view: &View, value: Value) -> Value {
     let region = b.region(&[st.clone(), st], |_, a| vec![a[1]]);
     let attrs = "scatter_dimension_numbers = #stablehlo.scatter<inserted_window_dims = [0], scatter_dims_to_operand_dims = [0], index_vector_dim = 1>, indices_are_sorted = false, unique_indices = false";
     let ty = b.ty(flat).clone();
-    b.op_regions("stablehlo.scatter", &[flat, idx, v], &[region], attrs, &[ty])[0]
+    b.op_regions(
+        "stablehlo.scatter",
+        &[flat, idx, v],
+        &[region],
+        attrs,
+        &[ty],
+    )[0]
 }

@@ -32,10 +32,16 @@ pub struct Error {
 
 impl Error {
     pub fn runtime(msg: impl Into<String>) -> Error {
-        Error { kind: ErrorKind::Runtime, msg: msg.into() }
+        Error {
+            kind: ErrorKind::Runtime,
+            msg: msg.into(),
+        }
     }
     pub fn new(kind: ErrorKind, msg: impl Into<String>) -> Error {
-        Error { kind, msg: msg.into() }
+        Error {
+            kind,
+            msg: msg.into(),
+        }
     }
 }
 
@@ -62,8 +68,16 @@ pub static DEFAULT_GENERATOR: OnceLock<fn(usize) -> *mut i64> = OnceLock::new();
 
 /// The RNG input of a program: [seed, offset] of `gen` (or the device's default
 /// generator), whose offset then advances past the `consumed` values.
-pub(crate) fn rng_input(rt: &Runtime, gen: Option<*mut i64>, device: usize, consumed: u64) -> Result<Arc<pjrt::Buffer>> {
-    let g = gen.filter(|g| !g.is_null()).or_else(|| DEFAULT_GENERATOR.get().map(|f| f(device))).filter(|g| !g.is_null());
+pub(crate) fn rng_input(
+    rt: &Runtime,
+    gen: Option<*mut i64>,
+    device: usize,
+    consumed: u64,
+) -> Result<Arc<pjrt::Buffer>> {
+    let g = gen
+        .filter(|g| !g.is_null())
+        .or_else(|| DEFAULT_GENERATOR.get().map(|f| f(device)))
+        .filter(|g| !g.is_null());
     let (seed, offset) = match g {
         // SAFETY: a live generator's [seed, offset] (the shim's generators are never freed).
         Some(g) => unsafe {
@@ -150,8 +164,13 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         return Ok(rt);
     }
     let path = pjrt::find_plugin(search_dirs).map_err(|e| Error::runtime(e.message))?;
-    let plugin = pjrt::Plugin::load(&path)
-        .map_err(|e| Error::runtime(format!("loading PJRT plugin {}: {}", path.display(), e.message)))?;
+    let plugin = pjrt::Plugin::load(&path).map_err(|e| {
+        Error::runtime(format!(
+            "loading PJRT plugin {}: {}",
+            path.display(),
+            e.message
+        ))
+    })?;
     let client = pjrt::Client::new(plugin)?;
     let devices = client.num_devices();
     let rt = Runtime {
@@ -169,7 +188,9 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
 
 /// The runtime, if `init` succeeded.
 pub fn get() -> Result<&'static Runtime> {
-    RUNTIME.get().ok_or_else(|| Error::runtime("torch_pjrt is not initialized: import torch_pjrt first"))
+    RUNTIME
+        .get()
+        .ok_or_else(|| Error::runtime("torch_pjrt is not initialized: import torch_pjrt first"))
 }
 
 impl Runtime {
@@ -177,13 +198,23 @@ impl Runtime {
         self.client.num_devices()
     }
 
-    pub fn upload(&self, bytes: &[u8], dtype: DType, dims: &[i64], device: usize) -> Result<pjrt::Buffer> {
+    pub fn upload(
+        &self,
+        bytes: &[u8],
+        dtype: DType,
+        dims: &[i64],
+        device: usize,
+    ) -> Result<pjrt::Buffer> {
         self.metrics.add_h2d(bytes.len());
-        Ok(self.client.buffer_from_host(bytes, dtype_to_pjrt(dtype), dims, device)?)
+        Ok(self
+            .client
+            .buffer_from_host(bytes, dtype_to_pjrt(dtype), dims, device)?)
     }
 
     pub fn download(&self, buf: &pjrt::Buffer) -> Result<Vec<u8>> {
-        let v = buf.to_host_vec().map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
+        let v = buf
+            .to_host_vec()
+            .map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
         self.metrics.add_d2h(v.len());
         Ok(v)
     }
@@ -203,7 +234,9 @@ impl Runtime {
         self.flush_all("synchronize")?;
         let bufs = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         for (op, b) in bufs {
-            b.ready().map_err(|e| Error::runtime(format!("{op} failed on the tpu device: {}", e.message)))?;
+            b.ready().map_err(|e| {
+                Error::runtime(format!("{op} failed on the tpu device: {}", e.message))
+            })?;
         }
         Ok(())
     }
@@ -212,11 +245,17 @@ impl Runtime {
     /// loads it from the disk cache.
     pub fn compile(&self, mlir: &str, device: usize, deferred: bool) -> Result<pjrt::Executable> {
         let key = self.disk.key(mlir, device);
-        if let Some(exe) = key.as_ref().and_then(|k| self.disk.load(&self.client, &self.metrics, k, device)) {
+        if let Some(exe) = key
+            .as_ref()
+            .and_then(|k| self.disk.load(&self.client, &self.metrics, k, device))
+        {
             return Ok(exe);
         }
         let t0 = std::time::Instant::now();
-        let exe = self.client.compile(mlir, device).map_err(|e| Error::runtime(e.message))?;
+        let exe = self
+            .client
+            .compile(mlir, device)
+            .map_err(|e| Error::runtime(e.message))?;
         let secs = t0.elapsed().as_secs_f64();
         if deferred {
             self.metrics.compiled_deferred(secs);

@@ -51,7 +51,8 @@ impl Metrics {
     }
     pub fn compiled(&self, secs: f64) {
         self.compilations.fetch_add(1, Ordering::Relaxed);
-        self.compile_nanos.fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
+        self.compile_nanos
+            .fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
     }
     pub fn compiled_deferred(&self, secs: f64) {
         self.compiled(secs);
@@ -59,12 +60,18 @@ impl Metrics {
     }
     pub fn loaded(&self, secs: f64) {
         self.disk_hits.fetch_add(1, Ordering::Relaxed);
-        self.load_nanos.fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
+        self.load_nanos
+            .fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
     }
     pub fn flushed(&self, ops: usize, reason: &str) {
         self.flushes.fetch_add(1, Ordering::Relaxed);
         self.flushed_ops.fetch_add(ops as u64, Ordering::Relaxed);
-        *self.flush_reasons.lock().unwrap_or_else(|e| e.into_inner()).entry(reason.to_string()).or_default() += 1;
+        *self
+            .flush_reasons
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(reason.to_string())
+            .or_default() += 1;
     }
     pub fn add_h2d(&self, n: usize) {
         self.h2d_bytes.fetch_add(n as u64, Ordering::Relaxed);
@@ -87,20 +94,43 @@ impl Metrics {
             ("executions", g(&self.executions)),
             ("host_to_device_bytes", g(&self.h2d_bytes)),
             ("device_to_host_bytes", g(&self.d2h_bytes)),
-            ("native_calls", ops.values().map(|c| c.native).sum::<u64>() as f64),
-            ("fallback_calls", ops.values().map(|c| c.fallback).sum::<u64>() as f64),
-            ("compilations_strict", g(&self.compilations) - g(&self.deferred_compilations)),
+            (
+                "native_calls",
+                ops.values().map(|c| c.native).sum::<u64>() as f64,
+            ),
+            (
+                "fallback_calls",
+                ops.values().map(|c| c.fallback).sum::<u64>() as f64,
+            ),
+            (
+                "compilations_strict",
+                g(&self.compilations) - g(&self.deferred_compilations),
+            ),
             ("compilations_deferred", g(&self.deferred_compilations)),
             ("flushes", g(&self.flushes)),
-            ("ops_per_flush", g(&self.flushed_ops) / g(&self.flushes).max(1.0)),
+            (
+                "ops_per_flush",
+                g(&self.flushed_ops) / g(&self.flushes).max(1.0),
+            ),
         ];
-        let flush_reasons = self.flush_reasons.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        Snapshot { ops, counters, flush_reasons }
+        let flush_reasons = self
+            .flush_reasons
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        Snapshot {
+            ops,
+            counters,
+            flush_reasons,
+        }
     }
 
     pub fn reset(&self) {
         self.ops.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        self.flush_reasons.lock().unwrap_or_else(|e| e.into_inner()).clear();
+        self.flush_reasons
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
         for a in [
             &self.compilations,
             &self.cache_hits,

@@ -41,7 +41,11 @@ pub(crate) fn store(m: EagerMode) {
 
 /// The mode the environment asks for at start.
 pub fn from_env() -> EagerMode {
-    let on = |k: &str| std::env::var(k).map(|v| v == "1" || v.eq_ignore_ascii_case("true")).unwrap_or(false);
+    let on = |k: &str| {
+        std::env::var(k)
+            .map(|v| v == "1" || v.eq_ignore_ascii_case("true"))
+            .unwrap_or(false)
+    };
     if on("TORCH_TPU_DEFER_AND_FUSE") {
         EagerMode::DeferAndFuse
     } else if on("TORCH_TPU_LAUNCH_BLOCKING") {
@@ -53,5 +57,7 @@ pub fn from_env() -> EagerMode {
 
 /// NaN/Inf checking in Debug mode (`TORCH_TPU_CHECK_NANS=1`).
 pub fn check_nans() -> bool {
-    std::env::var("TORCH_TPU_CHECK_NANS").map(|v| v == "1").unwrap_or(false)
+    std::env::var("TORCH_TPU_CHECK_NANS")
+        .map(|v| v == "1")
+        .unwrap_or(false)
 }

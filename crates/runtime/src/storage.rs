@@ -26,14 +26,21 @@ struct Inner {
 
 impl Storage {
     pub fn new(nbytes: i64, device: usize) -> Storage {
-        Storage { device, inner: Mutex::new(Inner { nbytes, buf: None }), lazy: AtomicBool::new(false) }
+        Storage {
+            device,
+            inner: Mutex::new(Inner { nbytes, buf: None }),
+            lazy: AtomicBool::new(false),
+        }
     }
 
     pub fn with_buffer(buf: Arc<pjrt::Buffer>, dtype: DType, device: usize) -> Storage {
         let n = buf.dims().iter().product::<i64>() * dtype.size() as i64;
         Storage {
             device,
-            inner: Mutex::new(Inner { nbytes: n, buf: Some((buf, dtype)) }),
+            inner: Mutex::new(Inner {
+                nbytes: n,
+                buf: Some((buf, dtype)),
+            }),
             lazy: AtomicBool::new(false),
         }
     }

@@ -114,10 +114,16 @@ pub struct TensorType {
 
 impl TensorType {
     pub fn new(dtype: DType, shape: &[i64]) -> Self {
-        TensorType { dtype, shape: shape.to_vec() }
+        TensorType {
+            dtype,
+            shape: shape.to_vec(),
+        }
     }
     pub fn scalar(dtype: DType) -> Self {
-        TensorType { dtype, shape: vec![] }
+        TensorType {
+            dtype,
+            shape: vec![],
+        }
     }
     pub fn rank(&self) -> usize {
         self.shape.len()
@@ -135,7 +141,10 @@ impl TensorType {
         s
     }
     pub fn with_dtype(&self, dtype: DType) -> Self {
-        TensorType { dtype, shape: self.shape.clone() }
+        TensorType {
+            dtype,
+            shape: self.shape.clone(),
+        }
     }
 }
 
@@ -180,7 +189,11 @@ pub fn i64_list(v: &[i64]) -> String {
 
 impl Builder {
     pub fn new() -> Self {
-        Builder { types: Vec::new(), params: Vec::new(), bodies: vec![String::new()] }
+        Builder {
+            types: Vec::new(),
+            params: Vec::new(),
+            bodies: vec![String::new()],
+        }
     }
 
     fn fresh(&mut self, ty: TensorType) -> Value {
@@ -256,7 +269,11 @@ impl Builder {
             let _ = write!(s, " {{{attrs}}}");
         }
         let res: Vec<String> = results.iter().map(|t| t.mlir()).collect();
-        let res = if res.len() == 1 { res[0].clone() } else { format!("({})", res.join(", ")) };
+        let res = if res.len() == 1 {
+            res[0].clone()
+        } else {
+            format!("({})", res.join(", "))
+        };
         let _ = write!(s, " : {} -> {}", self.sig(operands), res);
         self.line(&s);
         outs
@@ -274,10 +291,16 @@ impl Builder {
         let rets = f(self, &args);
         let sig = self.sig(&rets);
         let names: Vec<String> = rets.iter().map(|v| Self::name(*v)).collect();
-        self.line(&format!("\"stablehlo.return\"({}) : {} -> ()", names.join(", "), sig));
+        self.line(&format!(
+            "\"stablehlo.return\"({}) : {} -> ()",
+            names.join(", "),
+            sig
+        ));
         let body = self.bodies.pop().expect("region body");
-        let header: Vec<String> =
-            args.iter().map(|v| format!("{}: {}", Self::name(*v), self.ty(*v).mlir())).collect();
+        let header: Vec<String> = args
+            .iter()
+            .map(|v| format!("{}: {}", Self::name(*v), self.ty(*v).mlir()))
+            .collect();
         format!("{{\n  ^bb0({}):\n{}  }}", header.join(", "), body)
     }
 

@@ -191,7 +191,12 @@ impl Builder {
         let attrs = format!(
             "comparison_direction = #stablehlo<comparison_direction {d}>, compare_type = #stablehlo<comparison_type {kind}>"
         );
-        self.op("stablehlo.compare", &[a, b], &attrs, ty.with_dtype(DType::Bool))
+        self.op(
+            "stablehlo.compare",
+            &[a, b],
+            &attrs,
+            ty.with_dtype(DType::Bool),
+        )
     }
 
     pub fn select(&mut self, pred: Value, on_true: Value, on_false: Value) -> Value {
@@ -222,7 +227,11 @@ impl Builder {
             return x;
         }
         let ty = TensorType::new(self.dtype(x), shape);
-        assert_eq!(ty.numel(), self.ty(x).numel(), "reshape: element count differs");
+        assert_eq!(
+            ty.numel(),
+            self.ty(x).numel(),
+            "reshape: element count differs"
+        );
         self.op("stablehlo.reshape", &[x], "", ty)
     }
 
@@ -335,7 +344,14 @@ impl Builder {
         self.op("stablehlo.iota", &[], &attrs, ty)
     }
 
-    pub fn pad(&mut self, x: Value, value: Value, low: &[i64], high: &[i64], interior: &[i64]) -> Value {
+    pub fn pad(
+        &mut self,
+        x: Value,
+        value: Value,
+        low: &[i64],
+        high: &[i64],
+        interior: &[i64],
+    ) -> Value {
         let xs = self.shape(x);
         let shape: Vec<i64> = (0..xs.len())
             .map(|i| low[i] + high[i] + xs[i] + (xs[i] - 1).max(0) * interior[i])
@@ -386,7 +402,12 @@ impl Builder {
             i64_list(contract.0),
             i64_list(contract.1)
         );
-        self.op("stablehlo.dot_general", &[a, b], &attrs, TensorType::new(out, &shape))
+        self.op(
+            "stablehlo.dot_general",
+            &[a, b],
+            &attrs,
+            TensorType::new(out, &shape),
+        )
     }
 
     /// Reduces `x` over `dims` with a builtin combiner.
@@ -394,7 +415,9 @@ impl Builder {
         let dtype = self.dtype(x);
         let init = self.constant(dtype, kind.init(dtype));
         let name = kind.op_name(dtype);
-        self.reduce_with(&[x], &[init], dims, |b, args| vec![b.binary(name, args[0], args[1])])[0]
+        self.reduce_with(&[x], &[init], dims, |b, args| {
+            vec![b.binary(name, args[0], args[1])]
+        })[0]
     }
 
     /// A general variadic `reduce`: `body` gets (acc..., x...) scalars and returns the new accs.
@@ -412,13 +435,17 @@ impl Builder {
             .filter(|(i, _)| !dims.contains(&(*i as i64)))
             .map(|(_, d)| *d)
             .collect();
-        let scalar_tys: Vec<TensorType> =
-            inits.iter().map(|v| TensorType::scalar(self.dtype(*v))).collect();
+        let scalar_tys: Vec<TensorType> = inits
+            .iter()
+            .map(|v| TensorType::scalar(self.dtype(*v)))
+            .collect();
         let mut arg_tys = scalar_tys.clone();
         arg_tys.extend(scalar_tys.iter().cloned());
         let region = self.region(&arg_tys, body);
-        let results: Vec<TensorType> =
-            inits.iter().map(|v| TensorType::new(self.dtype(*v), &out_shape)).collect();
+        let results: Vec<TensorType> = inits
+            .iter()
+            .map(|v| TensorType::new(self.dtype(*v), &out_shape))
+            .collect();
         let mut ops = xs.to_vec();
         ops.extend_from_slice(inits);
         let attrs = format!("dimensions = {}", i64_array(dims));
@@ -506,7 +533,11 @@ impl Builder {
         for i in 0..n {
             let input = (ls[i + 2] - 1).max(0) * lhs_dilation[i] + 1 + padding[i].0 + padding[i].1;
             let window = (rs[i + 2] - 1) * rhs_dilation[i] + 1;
-            shape.push(if input < window { 0 } else { (input - window) / strides[i] + 1 });
+            shape.push(if input < window {
+                0
+            } else {
+                (input - window) / strides[i] + 1
+            });
         }
         let sp: Vec<String> = (0..n).map(|i| i.to_string()).collect();
         let sp = sp.join(", ");
@@ -526,7 +557,12 @@ impl Builder {
             i64_array(lhs_dilation),
             i64_array(rhs_dilation),
         );
-        self.op("stablehlo.convolution", &[lhs, rhs], &attrs, TensorType::new(dtype, &shape))
+        self.op(
+            "stablehlo.convolution",
+            &[lhs, rhs],
+            &attrs,
+            TensorType::new(dtype, &shape),
+        )
     }
 
     /// Reverses `x` along `dims`.
@@ -564,13 +600,17 @@ impl Builder {
                 }
             })
             .collect();
-        let scalar_tys: Vec<TensorType> =
-            inits.iter().map(|v| TensorType::scalar(self.dtype(*v))).collect();
+        let scalar_tys: Vec<TensorType> = inits
+            .iter()
+            .map(|v| TensorType::scalar(self.dtype(*v)))
+            .collect();
         let mut arg_tys = scalar_tys.clone();
         arg_tys.extend(scalar_tys.iter().cloned());
         let region = self.region(&arg_tys, body);
-        let results: Vec<TensorType> =
-            inits.iter().map(|v| TensorType::new(self.dtype(*v), &shape)).collect();
+        let results: Vec<TensorType> = inits
+            .iter()
+            .map(|v| TensorType::new(self.dtype(*v), &shape))
+            .collect();
         let mut ops = xs.to_vec();
         ops.extend_from_slice(inits);
         let attrs = format!(

@@ -152,7 +152,10 @@ pub unsafe fn tensor(t: &TpuTensor) -> TensorRef {
         if n == 0 {
             (vec![], vec![])
         } else {
-            (std::slice::from_raw_parts(t.sizes, n).to_vec(), std::slice::from_raw_parts(t.strides, n).to_vec())
+            (
+                std::slice::from_raw_parts(t.sizes, n).to_vec(),
+                std::slice::from_raw_parts(t.strides, n).to_vec(),
+            )
         }
     };
     let loc = if t.is_cpu != 0 {
@@ -163,7 +166,11 @@ pub unsafe fn tensor(t: &TpuTensor) -> TensorRef {
     TensorRef {
         loc,
         dtype: dtype_from_c10(t.dtype),
-        view: View { sizes, strides, offset: t.storage_offset },
+        view: View {
+            sizes,
+            strides,
+            offset: t.storage_offset,
+        },
         nbytes: t.storage_nbytes,
         wrapped: t.is_wrapped_number != 0,
         device: t.device_index.max(0) as usize,

@@ -15,6 +15,9 @@ use crate::abi::{dtype_from_c10, dtype_to_c10};
 /// A tensor as Python describes it: (storage handle, c10 dtype, sizes, strides, offset, nbytes).
 type Meta = (usize, i32, Vec<i64>, Vec<i64>, i64, i64);
 
+/// An output's (c10 dtype, sizes).
+type OutMeta = (i32, Vec<i64>);
+
 struct Entry {
     captured: Captured,
     first: Mutex<Option<SendHandles>>,
@@ -34,7 +37,11 @@ fn tensor(m: &Meta, device: usize) -> TensorRef {
     TensorRef {
         loc: Loc::Device(m.0 as *const Storage),
         dtype: dtype_from_c10(m.1),
-        view: View { sizes: m.2.clone(), strides: m.3.clone(), offset: m.4 },
+        view: View {
+            sizes: m.2.clone(),
+            strides: m.3.clone(),
+            offset: m.4,
+        },
         nbytes: m.5,
         wrapped: false,
         device,
@@ -62,7 +69,9 @@ fn deliver(handles: Handles, outs: &[usize]) -> PyResult<()> {
             // SAFETY: fresh boxes nobody else owns.
             drop(unsafe { Box::from_raw(h) });
         }
-        return Err(PyRuntimeError::new_err("compiled graph: output count mismatch"));
+        return Err(PyRuntimeError::new_err(
+            "compiled graph: output count mismatch",
+        ));
     }
     for ((h, dtype, _), out) in handles.into_iter().zip(outs) {
         // SAFETY: `h` is a fresh box; `out` is the live storage of a tensor Python holds.
@@ -83,16 +92,30 @@ fn capture_begin(py: Python<'_>, device: usize) -> PyResult<()> {
 
 /// Ends a capture; returns (id, [(dtype, sizes)] of the outputs) or None if it broke.
 #[pyfunction]
-fn capture_end(device: usize, inputs: Vec<Meta>, outputs: Vec<Meta>) -> PyResult<Option<(usize, Vec<(i32, Vec<i64>)>)>> {
+fn capture_end(
+    device: usize,
+    inputs: Vec<Meta>,
+    outputs: Vec<Meta>,
+) -> PyResult<Option<(usize, Vec<OutMeta>)>> {
     let rt = rt()?;
     let ins: Vec<TensorRef> = inputs.iter().map(|m| tensor(m, device)).collect();
     let outs: Vec<TensorRef> = outputs.iter().map(|m| tensor(m, device)).collect();
-    let Some((captured, handles)) = rt.capture_end(device, &ins, &outs, gen_state(device)).map_err(err)? else {
+    let Some((captured, handles)) = rt
+        .capture_end(device, &ins, &outs, gen_state(device))
+        .map_err(err)?
+    else {
         return Ok(None);
     };
-    let meta = captured.outputs.iter().map(|(d, s)| (dtype_to_c10(*d), s.clone())).collect();
+    let meta = captured
+        .outputs
+        .iter()
+        .map(|(d, s)| (dtype_to_c10(*d), s.clone()))
+        .collect();
     let mut progs = PROGRAMS.lock().unwrap_or_else(|e| e.into_inner());
-    progs.push(Arc::new(Entry { captured, first: Mutex::new(Some(SendHandles(handles))) }));
+    progs.push(Arc::new(Entry {
+        captured,
+        first: Mutex::new(Some(SendHandles(handles))),
+    }));
     Ok(Some((progs.len() - 1, meta)))
 }
 
@@ -101,7 +124,12 @@ fn capture_end(device: usize, inputs: Vec<Meta>, outputs: Vec<Meta>) -> PyResult
 fn take_outputs(id: usize, outs: Vec<usize>) -> PyResult<()> {
     let e = entry(id)?;
     let handles = e.first.lock().unwrap_or_else(|e| e.into_inner()).take();
-    deliver(handles.ok_or_else(|| PyRuntimeError::new_err("outputs already taken"))?.0, &outs)
+    deliver(
+        handles
+            .ok_or_else(|| PyRuntimeError::new_err("outputs already taken"))?
+            .0,
+        &outs,
+    )
 }
 
 /// Runs a compiled graph: inputs and (preallocated) outputs are storage handles.
@@ -112,7 +140,8 @@ fn replay(py: Python<'_>, id: usize, inputs: Vec<usize>, outs: Vec<usize>) -> Py
     let dev = e.captured.device;
     let handles = py.allow_threads(|| {
         let ins: Vec<*const Storage> = inputs.iter().map(|h| *h as *const Storage).collect();
-        rt.replay(&e.captured, &ins, gen_state(dev)).map(SendHandles)
+        rt.replay(&e.captured, &ins, gen_state(dev))
+            .map(SendHandles)
     });
     deliver(handles.map_err(err)?.0, &outs)
 }
@@ -134,30 +163,50 @@ fn captured_mlir(id: usize) -> PyResult<String> {
 #[pyfunction]
 fn captured_inputs(id: usize) -> PyResult<Vec<i64>> {
     let e = entry(id)?;
-    Ok(runtime::Runtime::captured_inputs(&e.captured).into_iter().map(|i| i.map(|i| i as i64).unwrap_or(-1)).collect())
+    Ok(runtime::Runtime::captured_inputs(&e.captured)
+        .into_iter()
+        .map(|i| i.map(|i| i as i64).unwrap_or(-1))
+        .collect())
 }
 
 /// Compiles `mlir` and runs it on storages (for exported programs): inputs as
 /// (handle, c10 dtype); outputs are written into the given storages.
 #[pyfunction]
-fn run_mlir(mlir: &str, device: usize, inputs: Vec<(usize, i32)>, outs: Vec<(usize, i32)>) -> PyResult<()> {
+fn run_mlir(
+    mlir: &str,
+    device: usize,
+    inputs: Vec<(usize, i32)>,
+    outs: Vec<(usize, i32)>,
+) -> PyResult<()> {
     let rt = rt()?;
     let exe = rt.compile(mlir, device, false).map_err(err)?;
     let mut bufs = Vec::new();
     for (h, d) in &inputs {
         let dt = dtype_from_c10(*d).ok_or_else(|| PyRuntimeError::new_err("unsupported dtype"))?;
         // SAFETY: the caller holds the tensors alive.
-        bufs.push(unsafe { &*(*h as *const Storage) }.buffer_as(rt, dt).map_err(err)?);
+        bufs.push(
+            unsafe { &*(*h as *const Storage) }
+                .buffer_as(rt, dt)
+                .map_err(err)?,
+        );
     }
     let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
-    let res = exe.execute(&refs).map_err(|e| PyRuntimeError::new_err(e.message))?;
+    let res = exe
+        .execute(&refs)
+        .map_err(|e| PyRuntimeError::new_err(e.message))?;
     if res.len() != outs.len() {
-        return Err(PyRuntimeError::new_err(format!("program has {} outputs, {} given", res.len(), outs.len())));
+        return Err(PyRuntimeError::new_err(format!(
+            "program has {} outputs, {} given",
+            res.len(),
+            outs.len()
+        )));
     }
     for (buf, (h, d)) in res.into_iter().zip(outs) {
         let dt = dtype_from_c10(d).ok_or_else(|| PyRuntimeError::new_err("unsupported dtype"))?;
         // SAFETY: as above.
-        unsafe { &*(h as *const Storage) }.set(Arc::new(buf), dt).map_err(err)?;
+        unsafe { &*(h as *const Storage) }
+            .set(Arc::new(buf), dt)
+            .map_err(err)?;
     }
     Ok(())
 }

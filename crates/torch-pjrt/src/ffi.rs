@@ -36,7 +36,10 @@ fn guarded(err: *mut TpuError, what: &str, f: impl FnOnce() -> runtime::Result<i
     let (kind, msg) = match r {
         Ok(Ok(code)) => return code,
         Ok(Err(e)) => (e.kind, e.msg),
-        Err(p) => (ErrorKind::Runtime, format!("internal error in torch_pjrt ({what}): {}", panic_msg(p))),
+        Err(p) => (
+            ErrorKind::Runtime,
+            format!("internal error in torch_pjrt ({what}): {}", panic_msg(p)),
+        ),
     };
     if !err.is_null() {
         // SAFETY: the shim passes a valid TpuError to fill.
@@ -55,9 +58,18 @@ fn storage<'a>(h: *mut c_void) -> &'a Storage {
     unsafe { &*(h as *const Storage) }
 }
 
-fn fill_tensor_ret(r: &mut TpuRet, handle: *mut Storage, dtype: runtime::DType, sizes: &[i64], device: usize) -> runtime::Result<()> {
+fn fill_tensor_ret(
+    r: &mut TpuRet,
+    handle: *mut Storage,
+    dtype: runtime::DType,
+    sizes: &[i64],
+    device: usize,
+) -> runtime::Result<()> {
     if sizes.len() > MAX_DIMS {
-        return Err(runtime::Error::runtime(format!("tensors of rank {} are not supported (max {MAX_DIMS})", sizes.len())));
+        return Err(runtime::Error::runtime(format!(
+            "tensors of rank {} are not supported (max {MAX_DIMS})",
+            sizes.len()
+        )));
     }
     r.kind = RET_TENSOR;
     r.handle = handle as *mut c_void;
@@ -111,7 +123,12 @@ pub unsafe extern "C" fn tpu_rs_dispatch(
                 for (slot, r) in out.iter_mut().zip(list.iter()) {
                     *slot = TpuRet::zeroed();
                     match r {
-                        Ret::Tensor { handle, dtype, sizes, device } => {
+                        Ret::Tensor {
+                            handle,
+                            dtype,
+                            sizes,
+                            device,
+                        } => {
                             owned.push(*handle);
                             if res.is_ok() {
                                 res = fill_tensor_ret(slot, *handle, *dtype, sizes, *device);
@@ -181,7 +198,12 @@ pub unsafe extern "C" fn tpu_rs_storage_free(handle: *mut c_void) {
 /// # Safety
 /// Valid handles and error pointer.
 #[no_mangle]
-pub unsafe extern "C" fn tpu_rs_storage_copy(dst: *mut c_void, src: *mut c_void, nbytes: i64, err: *mut TpuError) -> i32 {
+pub unsafe extern "C" fn tpu_rs_storage_copy(
+    dst: *mut c_void,
+    src: *mut c_void,
+    nbytes: i64,
+    err: *mut TpuError,
+) -> i32 {
     guarded(err, "storage copy", || {
         copy::storage_copy(rt()?, storage(dst), storage(src), nbytes)?;
         Ok(OK)
@@ -191,7 +213,11 @@ pub unsafe extern "C" fn tpu_rs_storage_copy(dst: *mut c_void, src: *mut c_void,
 /// # Safety
 /// Valid handle and error pointer.
 #[no_mangle]
-pub unsafe extern "C" fn tpu_rs_storage_resize(handle: *mut c_void, new_nbytes: i64, err: *mut TpuError) -> i32 {
+pub unsafe extern "C" fn tpu_rs_storage_resize(
+    handle: *mut c_void,
+    new_nbytes: i64,
+    err: *mut TpuError,
+) -> i32 {
     guarded(err, "storage resize", || {
         storage(handle).resize(rt()?, new_nbytes)?;
         Ok(OK)
@@ -201,7 +227,12 @@ pub unsafe extern "C" fn tpu_rs_storage_resize(handle: *mut c_void, new_nbytes: 
 /// # Safety
 /// Valid descriptors and error pointer.
 #[no_mangle]
-pub unsafe extern "C" fn tpu_rs_copy(src: *const TpuTensor, dst: *const TpuTensor, _non_blocking: i32, err: *mut TpuError) -> i32 {
+pub unsafe extern "C" fn tpu_rs_copy(
+    src: *const TpuTensor,
+    dst: *const TpuTensor,
+    _non_blocking: i32,
+    err: *mut TpuError,
+) -> i32 {
     guarded(err, "copy", || {
         // SAFETY: descriptors filled by the shim.
         let (s, d) = unsafe { (tensor(&*src), tensor(&*dst)) };
@@ -213,7 +244,11 @@ pub unsafe extern "C" fn tpu_rs_copy(src: *const TpuTensor, dst: *const TpuTenso
 /// # Safety
 /// Valid descriptor, output and error pointers.
 #[no_mangle]
-pub unsafe extern "C" fn tpu_rs_item(t: *const TpuTensor, out: *mut TpuRet, err: *mut TpuError) -> i32 {
+pub unsafe extern "C" fn tpu_rs_item(
+    t: *const TpuTensor,
+    out: *mut TpuRet,
+    err: *mut TpuError,
+) -> i32 {
     guarded(err, "item", || {
         // SAFETY: descriptor filled by the shim; out is writable.
         let (t, out) = unsafe { (tensor(&*t), &mut *out) };
@@ -288,4 +323,3 @@ pub unsafe extern "C" fn tpu_rs_fallback_begin(op_name: *const c_char, err: *mut
         1
     }
 }
-

@@ -26,7 +26,10 @@ extern "C" {
 /// their composite kernels.
 #[pyfunction]
 fn register_boxed(names: Vec<String>) -> PyResult<()> {
-    let cs: Vec<CString> = names.iter().map(|n| CString::new(n.as_str()).unwrap_or_default()).collect();
+    let cs: Vec<CString> = names
+        .iter()
+        .map(|n| CString::new(n.as_str()).unwrap_or_default())
+        .collect();
     let ptrs: Vec<*const c_char> = cs.iter().map(|c| c.as_ptr()).collect();
     // SAFETY: `ptrs` points at NUL-terminated strings alive for the call.
     let msg = unsafe { tpu_shim_register_boxed(ptrs.as_ptr(), ptrs.len() as i32) };
@@ -34,7 +37,9 @@ fn register_boxed(names: Vec<String>) -> PyResult<()> {
         return Ok(());
     }
     // SAFETY: a NUL-terminated message valid until the next call on this thread.
-    let s = unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned();
+    let s = unsafe { CStr::from_ptr(msg) }
+        .to_string_lossy()
+        .into_owned();
     Err(PyRuntimeError::new_err(s))
 }
 
@@ -70,8 +75,12 @@ fn _init(search_dirs: Vec<String>) -> PyResult<()> {
     let msg = unsafe { tpu_shim_init() };
     if !msg.is_null() {
         // SAFETY: a NUL-terminated static string.
-        let s = unsafe { CStr::from_ptr(msg) }.to_string_lossy().into_owned();
-        return Err(PyRuntimeError::new_err(format!("registering the tpu device with PyTorch failed: {s}")));
+        let s = unsafe { CStr::from_ptr(msg) }
+            .to_string_lossy()
+            .into_owned();
+        return Err(PyRuntimeError::new_err(format!(
+            "registering the tpu device with PyTorch failed: {s}"
+        )));
     }
     Ok(())
 }
@@ -105,7 +114,8 @@ fn current_device() -> i32 {
 #[pyfunction]
 fn synchronize(py: Python<'_>) -> PyResult<()> {
     let rt = rt()?;
-    py.allow_threads(|| rt.synchronize()).map_err(|e| PyRuntimeError::new_err(e.msg))
+    py.allow_threads(|| rt.synchronize())
+        .map_err(|e| PyRuntimeError::new_err(e.msg))
 }
 
 #[pyfunction]
@@ -182,8 +192,14 @@ fn cache_info(py: Python<'_>) -> PyResult<PyObject> {
     d.set_item("disk_misses", n("disk_misses"))?;
     d.set_item("corrupt_entries", info.corrupt_entries)?;
     d.set_item("compilations", n("compilations"))?;
-    d.set_item("compile_seconds", c.get("compile_seconds").copied().unwrap_or(0.0))?;
-    d.set_item("load_seconds", c.get("load_seconds").copied().unwrap_or(0.0))?;
+    d.set_item(
+        "compile_seconds",
+        c.get("compile_seconds").copied().unwrap_or(0.0),
+    )?;
+    d.set_item(
+        "load_seconds",
+        c.get("load_seconds").copied().unwrap_or(0.0),
+    )?;
     Ok(d.into_any().unbind())
 }
 
@@ -193,14 +209,20 @@ fn clear_cache(py: Python<'_>, disk: bool) -> PyResult<usize> {
     let rt = rt()?;
     rt.cache.clear();
     rt.defer.clear_programs();
-    Ok(if disk { py.allow_threads(|| rt.disk.clear()) } else { 0 })
+    Ok(if disk {
+        py.allow_threads(|| rt.disk.clear())
+    } else {
+        0
+    })
 }
 
 /// Switches the disk cache to `path` (None or "": off).
 #[pyfunction]
 #[pyo3(signature = (path))]
 fn set_cache_dir(path: Option<String>) -> PyResult<()> {
-    rt()?.disk.set_dir(path.filter(|p| !p.is_empty()).map(PathBuf::from));
+    rt()?
+        .disk
+        .set_dir(path.filter(|p| !p.is_empty()).map(PathBuf::from));
     Ok(())
 }
 
@@ -213,10 +235,12 @@ fn eager_mode() -> u8 {
 /// Sets the eager mode (pending deferred work runs first).
 #[pyfunction]
 fn set_eager_mode(py: Python<'_>, mode: u8) -> PyResult<()> {
-    let m = runtime::mode::EagerMode::from_u8(mode)
-        .ok_or_else(|| pyo3::exceptions::PyValueError::new_err(format!("unknown eager mode {mode}")))?;
+    let m = runtime::mode::EagerMode::from_u8(mode).ok_or_else(|| {
+        pyo3::exceptions::PyValueError::new_err(format!("unknown eager mode {mode}"))
+    })?;
     let rt = rt()?;
-    py.allow_threads(|| rt.set_mode(m)).map_err(|e| PyRuntimeError::new_err(e.msg))
+    py.allow_threads(|| rt.set_mode(m))
+        .map_err(|e| PyRuntimeError::new_err(e.msg))
 }
 
 /// Names of the ops with a native lowering rule.

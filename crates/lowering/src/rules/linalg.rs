@@ -9,7 +9,11 @@ use super::{common, mat, Opnd};
 /// even NaN in it).
 fn axpby(c: &mut Ctx, prod: Value) -> LResult<Value> {
     let beta = c.args.opt_scalar("beta").map(|s| s.as_f64()).unwrap_or(1.0);
-    let alpha = c.args.opt_scalar("alpha").map(|s| s.as_f64()).unwrap_or(1.0);
+    let alpha = c
+        .args
+        .opt_scalar("alpha")
+        .map(|s| s.as_f64())
+        .unwrap_or(1.0);
     let b = &mut *c.b;
     let shape = b.shape(prod);
     let dt = b.dtype(prod);
@@ -80,7 +84,11 @@ fn mm(c: &mut Ctx, mats: (&str, &str)) -> LResult<Vec<Out>> {
     let (x, y, _) = pair(c, mats.0, mats.1)?;
     check_mm(&c.b.shape(x), &c.b.shape(y))?;
     let p = mm_values(c.b, x, y);
-    let r = if c.args.has("self") && mats.0 != "self" { axpby(c, p)? } else { p };
+    let r = if c.args.has("self") && mats.0 != "self" {
+        axpby(c, p)?
+    } else {
+        p
+    };
     Ok(vec![Out::T(r)])
 }
 
@@ -100,7 +108,11 @@ fn bmm(c: &mut Ctx, mats: (&str, &str)) -> LResult<Vec<Out>> {
         );
     }
     let p = bmm_values(c.b, x, y);
-    let r = if c.args.has("self") && mats.0 != "self" { axpby(c, p)? } else { p };
+    let r = if c.args.has("self") && mats.0 != "self" {
+        axpby(c, p)?
+    } else {
+        p
+    };
     Ok(vec![Out::T(r)])
 }
 
@@ -110,7 +122,11 @@ fn dot(c: &mut Ctx) -> LResult<Vec<Out>> {
     if sx.len() != 1 || sy.len() != 1 {
         return user_err(
             ErrorKind::Runtime,
-            format!("1D tensors expected, but got {}D and {}D tensors", sx.len(), sy.len()),
+            format!(
+                "1D tensors expected, but got {}D and {}D tensors",
+                sx.len(),
+                sy.len()
+            ),
         );
     }
     if sx != sy {
@@ -122,7 +138,13 @@ fn dot(c: &mut Ctx) -> LResult<Vec<Out>> {
             ),
         );
     }
-    Ok(vec![Out::T(c.b.dot_general(x, y, (&[], &[]), (&[0], &[0]), dt))])
+    Ok(vec![Out::T(c.b.dot_general(
+        x,
+        y,
+        (&[], &[]),
+        (&[0], &[0]),
+        dt,
+    ))])
 }
 
 fn mv(c: &mut Ctx) -> LResult<Vec<Out>> {
@@ -131,7 +153,12 @@ fn mv(c: &mut Ctx) -> LResult<Vec<Out>> {
     if sx.len() != 2 || sy.len() != 1 || sx[1] != sy[0] {
         return user_err(
             ErrorKind::Runtime,
-            format!("size mismatch, got input ({}), mat ({}), vec ({})", sx[0], shape_str(&sx), sy[0]),
+            format!(
+                "size mismatch, got input ({}), mat ({}), vec ({})",
+                sx[0],
+                shape_str(&sx),
+                sy[0]
+            ),
         );
     }
     let p = c.b.dot_general(x, y, (&[], &[]), (&[1], &[0]), dt);

@@ -53,9 +53,20 @@ pub fn lookup(op: &str) -> Option<Rule> {
 /// Ops whose composite kernels would split them before they reach the backend, although a
 /// rule (with its backward) covers them whole: the glue routes all their overloads here.
 pub fn claimed() -> Vec<&'static str> {
-    let explicit = ["aten::native_layer_norm", "aten::native_group_norm", "aten::_native_batch_norm_legit_no_training"];
-    let mut v: Vec<&str> = explicit.into_iter().filter(|n| table().contains_key(n)).collect();
-    v.extend(names().into_iter().filter(|n| n.starts_with("aten::_foreach_")));
+    let explicit = [
+        "aten::native_layer_norm",
+        "aten::native_group_norm",
+        "aten::_native_batch_norm_legit_no_training",
+    ];
+    let mut v: Vec<&str> = explicit
+        .into_iter()
+        .filter(|n| table().contains_key(n))
+        .collect();
+    v.extend(
+        names()
+            .into_iter()
+            .filter(|n| n.starts_with("aten::_foreach_")),
+    );
     v
 }
 
@@ -146,7 +157,11 @@ pub fn scalar_value(c: &mut Ctx, name: &str, like: Value) -> LResult<Option<(Val
     if let Some(t) = c.args.opt_tensor(name) {
         let t = t.clone();
         let v = c.b.convert(t.value, ty.dtype);
-        let kind = if t.dtype.is_float() { Scalar::Float(f64::NAN) } else { Scalar::Int(0) };
+        let kind = if t.dtype.is_float() {
+            Scalar::Float(f64::NAN)
+        } else {
+            Scalar::Int(0)
+        };
         return Ok(Some((c.b.broadcast_to(v, &ty.shape), kind)));
     }
     match c.args.opt_scalar(name) {

@@ -20,7 +20,11 @@ fn unary_same(c: &mut Ctx, f: Un) -> LResult<Vec<Out>> {
 }
 
 /// `f(self, other)` in the promoted dtype, mapped by `compute`.
-fn binary(c: &mut Ctx, compute: fn(DType) -> DType, f: fn(&mut Builder, Value, Value) -> Value) -> LResult<Vec<Out>> {
+fn binary(
+    c: &mut Ctx,
+    compute: fn(DType) -> DType,
+    f: fn(&mut Builder, Value, Value) -> Value,
+) -> LResult<Vec<Out>> {
     let (v, _, _) = promote(c, &["self", "other"], compute)?;
     Ok(vec![Out::T(f(c.b, v[0], v[1]))])
 }
@@ -52,7 +56,11 @@ fn scaled_other(c: &mut Ctx, v: Value) -> LResult<Value> {
 fn add(c: &mut Ctx) -> LResult<Vec<Out>> {
     let (v, dt, _) = promote(c, &["self", "other"], same)?;
     let o = scaled_other(c, v[1])?;
-    let r = if dt == DType::Bool { c.b.or(v[0], o) } else { c.b.add(v[0], o) };
+    let r = if dt == DType::Bool {
+        c.b.or(v[0], o)
+    } else {
+        c.b.add(v[0], o)
+    };
     Ok(vec![Out::T(r)])
 }
 
@@ -76,7 +84,11 @@ fn rsub(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 fn mul(c: &mut Ctx) -> LResult<Vec<Out>> {
     let (v, dt, _) = promote(c, &["self", "other"], same)?;
-    let r = if dt == DType::Bool { c.b.and(v[0], v[1]) } else { c.b.mul(v[0], v[1]) };
+    let r = if dt == DType::Bool {
+        c.b.and(v[0], v[1])
+    } else {
+        c.b.mul(v[0], v[1])
+    };
     Ok(vec![Out::T(r)])
 }
 
@@ -121,7 +133,9 @@ fn div(c: &mut Ctx) -> LResult<Vec<Out>> {
         }
         Some(m) => user_err(
             ErrorKind::Value,
-            format!("div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{m}'"),
+            format!(
+                "div expected rounding_mode to be one of None, 'trunc', or 'floor' but found '{m}'"
+            ),
         ),
     }
 }
@@ -206,7 +220,10 @@ fn gelu(c: &mut Ctx) -> LResult<Vec<Out>> {
         let t = b.mul(x, k);
         erf(b, t)
     } else {
-        return user_err(ErrorKind::Runtime, "approximate argument must be either none or tanh.");
+        return user_err(
+            ErrorKind::Runtime,
+            "approximate argument must be either none or tanh.",
+        );
     };
     let t = b.add(one, inner);
     let t = b.mul(x, t);
@@ -309,7 +326,10 @@ fn clamp(c: &mut Ctx) -> LResult<Vec<Out>> {
     let has_min = c.args.has("min");
     let has_max = c.args.has("max");
     if !has_min && !has_max {
-        return user_err(ErrorKind::Runtime, "torch.clamp: At least one of 'min' or 'max' must not be None");
+        return user_err(
+            ErrorKind::Runtime,
+            "torch.clamp: At least one of 'min' or 'max' must not be None",
+        );
     }
     if has_min {
         names.push("min");
@@ -398,7 +418,11 @@ fn lerp(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 fn addc(c: &mut Ctx, divide: bool) -> LResult<Vec<Out>> {
     let (v, _, _) = promote(c, &["self", "tensor1", "tensor2"], same)?;
-    let t = if divide { c.b.div(v[1], v[2]) } else { c.b.mul(v[1], v[2]) };
+    let t = if divide {
+        c.b.div(v[1], v[2])
+    } else {
+        c.b.mul(v[1], v[2])
+    };
     let t = match scalar_value(c, "value", t)? {
         Some((k, s)) if s.as_f64() != 1.0 => c.b.mul(k, t),
         _ => t,
@@ -474,11 +498,15 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::mul", mul),
     ("aten::div", div),
     ("aten::remainder", remainder),
-    ("aten::fmod", |c| binary(c, same, |b, x, y| b.binary("stablehlo.remainder", x, y))),
+    ("aten::fmod", |c| {
+        binary(c, same, |b, x, y| b.binary("stablehlo.remainder", x, y))
+    }),
     ("aten::pow", pow),
     ("aten::maximum", |c| binary(c, same, |b, x, y| b.max(x, y))),
     ("aten::minimum", |c| binary(c, same, |b, x, y| b.min(x, y))),
-    ("aten::atan2", |c| binary(c, to_float, |b, x, y| b.binary("stablehlo.atan2", x, y))),
+    ("aten::atan2", |c| {
+        binary(c, to_float, |b, x, y| b.binary("stablehlo.atan2", x, y))
+    }),
     ("aten::eq", |c| cmp(c, CmpDir::Eq)),
     ("aten::ne", |c| cmp(c, CmpDir::Ne)),
     ("aten::lt", |c| cmp(c, CmpDir::Lt)),
@@ -487,18 +515,34 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::ge", |c| cmp(c, CmpDir::Ge)),
     ("aten::logical_and", |c| logical(c, |b, x, y| b.and(x, y))),
     ("aten::logical_or", |c| logical(c, |b, x, y| b.or(x, y))),
-    ("aten::logical_xor", |c| logical(c, |b, x, y| b.binary("stablehlo.xor", x, y))),
+    ("aten::logical_xor", |c| {
+        logical(c, |b, x, y| b.binary("stablehlo.xor", x, y))
+    }),
     ("aten::logical_not", |c| {
         let x = c.t("self")?;
         let p = c.b.convert(x, DType::Bool);
         Ok(vec![Out::T(c.b.not(p))])
     }),
-    ("aten::bitwise_and", |c| binary(c, same, |b, x, y| b.and(x, y))),
-    ("aten::bitwise_or", |c| binary(c, same, |b, x, y| b.or(x, y))),
-    ("aten::bitwise_xor", |c| binary(c, same, |b, x, y| b.binary("stablehlo.xor", x, y))),
+    ("aten::bitwise_and", |c| {
+        binary(c, same, |b, x, y| b.and(x, y))
+    }),
+    ("aten::bitwise_or", |c| {
+        binary(c, same, |b, x, y| b.or(x, y))
+    }),
+    ("aten::bitwise_xor", |c| {
+        binary(c, same, |b, x, y| b.binary("stablehlo.xor", x, y))
+    }),
     ("aten::bitwise_not", |c| unary_same(c, |b, x| b.not(x))),
     ("aten::neg", |c| unary_same(c, |b, x| b.neg(x))),
-    ("aten::abs", |c| unary_same(c, |b, x| if b.dtype(x) == DType::Bool { x } else { b.abs(x) })),
+    ("aten::abs", |c| {
+        unary_same(c, |b, x| {
+            if b.dtype(x) == DType::Bool {
+                x
+            } else {
+                b.abs(x)
+            }
+        })
+    }),
     ("aten::sign", |c| unary_same(c, sign)),
     ("aten::sgn", |c| unary_same(c, sign)),
     ("aten::exp", |c| unary_float(c, |b, x| b.exp(x))),
@@ -508,9 +552,13 @@ pub const RULES: &[(&str, Rule)] = &[
             b.binary("stablehlo.power", two, x)
         })
     }),
-    ("aten::expm1", |c| unary_float(c, |b, x| b.unary("stablehlo.exponential_minus_one", x))),
+    ("aten::expm1", |c| {
+        unary_float(c, |b, x| b.unary("stablehlo.exponential_minus_one", x))
+    }),
     ("aten::log", |c| unary_float(c, |b, x| b.log(x))),
-    ("aten::log1p", |c| unary_float(c, |b, x| b.unary("stablehlo.log_plus_one", x))),
+    ("aten::log1p", |c| {
+        unary_float(c, |b, x| b.unary("stablehlo.log_plus_one", x))
+    }),
     ("aten::log2", |c| {
         unary_float(c, |b, x| {
             let l = b.log(x);
@@ -533,9 +581,15 @@ pub const RULES: &[(&str, Rule)] = &[
             b.div(one, x)
         })
     }),
-    ("aten::sin", |c| unary_float(c, |b, x| b.unary("stablehlo.sine", x))),
-    ("aten::cos", |c| unary_float(c, |b, x| b.unary("stablehlo.cosine", x))),
-    ("aten::tan", |c| unary_float(c, |b, x| b.unary("stablehlo.tan", x))),
+    ("aten::sin", |c| {
+        unary_float(c, |b, x| b.unary("stablehlo.sine", x))
+    }),
+    ("aten::cos", |c| {
+        unary_float(c, |b, x| b.unary("stablehlo.cosine", x))
+    }),
+    ("aten::tan", |c| {
+        unary_float(c, |b, x| b.unary("stablehlo.tan", x))
+    }),
     ("aten::tanh", |c| unary_float(c, |b, x| b.tanh(x))),
     ("aten::sigmoid", |c| unary_float(c, sigmoid)),
     ("aten::erf", |c| unary_float(c, erf)),
@@ -571,8 +625,12 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::lerp", lerp),
     ("aten::addcmul", |c| addc(c, false)),
     ("aten::addcdiv", |c| addc(c, true)),
-    ("aten::floor", |c| unary_same(c, |b, x| float_only(b, x, "stablehlo.floor"))),
-    ("aten::ceil", |c| unary_same(c, |b, x| float_only(b, x, "stablehlo.ceil"))),
+    ("aten::floor", |c| {
+        unary_same(c, |b, x| float_only(b, x, "stablehlo.floor"))
+    }),
+    ("aten::ceil", |c| {
+        unary_same(c, |b, x| float_only(b, x, "stablehlo.ceil"))
+    }),
     ("aten::trunc", |c| unary_same(c, trunc)),
     ("aten::round", round),
     ("aten::isnan", |c| unary_same(c, isnan)),

@@ -12,7 +12,13 @@ fn dims_of(c: &Ctx, t: &TensorArg) -> LResult<Vec<i64>> {
 }
 
 /// Reduces `x` over `dims` and reshapes to the keepdim shape if asked.
-pub fn reduce_keep(b: &mut Builder, x: Value, dims: &[i64], kind: ReduceKind, keepdim: bool) -> Value {
+pub fn reduce_keep(
+    b: &mut Builder,
+    x: Value,
+    dims: &[i64],
+    kind: ReduceKind,
+    keepdim: bool,
+) -> Value {
     let shape = b.shape(x);
     let r = b.reduce(x, dims, kind);
     b.reshape(r, &reduced_shape(&shape, dims, keepdim))
@@ -34,12 +40,20 @@ fn input(c: &Ctx) -> LResult<TensorArg> {
 
 /// The accumulation dtype of sum/prod/cumsum: the `dtype` argument, or int64 for integers.
 fn acc_dtype(c: &Ctx, t: &TensorArg) -> DType {
-    c.args.opt_dtype("dtype").unwrap_or(if t.dtype.is_float() { t.dtype } else { DType::I64 })
+    c.args.opt_dtype("dtype").unwrap_or(if t.dtype.is_float() {
+        t.dtype
+    } else {
+        DType::I64
+    })
 }
 
 fn sum_like(c: &mut Ctx, kind: ReduceKind) -> LResult<Vec<Out>> {
     let t = input(c)?;
-    let dims = if c.args.has("dim") { dims_of(c, &t)? } else { (0..t.shape.len() as i64).collect() };
+    let dims = if c.args.has("dim") {
+        dims_of(c, &t)?
+    } else {
+        (0..t.shape.len() as i64).collect()
+    };
     let keep = c.args.bool_or("keepdim", false);
     let dt = acc_dtype(c, &t);
     let x = c.b.convert(t.value, dt);
@@ -58,7 +72,11 @@ fn mean(c: &mut Ctx) -> LResult<Vec<Out>> {
             ),
         );
     }
-    let dims = if c.args.has("dim") { dims_of(c, &t)? } else { (0..t.shape.len() as i64).collect() };
+    let dims = if c.args.has("dim") {
+        dims_of(c, &t)?
+    } else {
+        (0..t.shape.len() as i64).collect()
+    };
     let keep = c.args.bool_or("keepdim", false);
     let x = c.b.convert(t.value, dt);
     let s = reduce_keep(c.b, x, &dims, ReduceKind::Sum, keep);
@@ -76,14 +94,21 @@ fn amax_amin(c: &mut Ctx, kind: ReduceKind) -> LResult<Vec<Out>> {
 }
 
 fn check_nonempty(c: &Ctx, t: &TensorArg, dims: &[i64]) -> LResult<()> {
-    let empty = if t.shape.is_empty() { false } else { dims.iter().any(|d| t.shape[*d as usize] == 0) };
+    let empty = if t.shape.is_empty() {
+        false
+    } else {
+        dims.iter().any(|d| t.shape[*d as usize] == 0)
+    };
     if empty {
         let name = c.op.trim_start_matches("aten::");
         return user_err(
             ErrorKind::Index,
             format!(
                 "{name}(): Expected reduction dim {} to have non-zero size.",
-                dims.iter().find(|d| t.shape[**d as usize] == 0).copied().unwrap_or(0)
+                dims.iter()
+                    .find(|d| t.shape[**d as usize] == 0)
+                    .copied()
+                    .unwrap_or(0)
             ),
         );
     }
@@ -96,7 +121,14 @@ fn arg_reduce(b: &mut Builder, x: Value, dim: usize, is_max: bool) -> (Value, Va
     let shape = b.shape(x);
     let dt = b.dtype(x);
     let idx = b.iota(DType::I64, &shape, dim);
-    let init_v = b.constant(dt, if is_max { stablehlo_lowest(dt) } else { stablehlo_highest(dt) });
+    let init_v = b.constant(
+        dt,
+        if is_max {
+            stablehlo_lowest(dt)
+        } else {
+            stablehlo_highest(dt)
+        },
+    );
     let init_i = b.constant_i64(DType::I64, 0);
     let r = b.reduce_with(&[x, idx], &[init_v, init_i], &[dim as i64], |b, a| {
         // a = [acc_v, acc_i, x_v, x_i]
@@ -132,7 +164,11 @@ fn stablehlo_highest(d: DType) -> f64 {
 /// max/min: full reduction (`max(self)`) or along a dim with indices (`max.dim`).
 fn max_min(c: &mut Ctx, is_max: bool) -> LResult<Vec<Out>> {
     let t = input(c)?;
-    let kind = if is_max { ReduceKind::Max } else { ReduceKind::Min };
+    let kind = if is_max {
+        ReduceKind::Max
+    } else {
+        ReduceKind::Min
+    };
     if c.args.has("other") {
         // max.other is maximum.
         let o = c.args.tensor("other")?.clone();
@@ -187,7 +223,9 @@ fn argmax_argmin(c: &mut Ctx, is_max: bool) -> LResult<Vec<Out>> {
                 let name = if is_max { "argmax" } else { "argmin" };
                 return user_err(
                     ErrorKind::Runtime,
-                    format!("{name}(): Expected reduction dim to be specified for input.numel() == 0."),
+                    format!(
+                        "{name}(): Expected reduction dim to be specified for input.numel() == 0."
+                    ),
                 );
             }
             let n = t.shape.iter().product::<i64>();
@@ -206,7 +244,7 @@ fn var_std(c: &mut Ctx, take_sqrt: bool, with_mean: bool) -> LResult<Vec<Out>> {
     if !t.dtype.is_float() {
         return user_err(
             ErrorKind::Runtime,
-            format!("std and var only support floating point and complex dtypes"),
+            "std and var only support floating point and complex dtypes",
         );
     }
     let dims = dims_of(c, &t)?;
@@ -261,17 +299,27 @@ fn logsumexp(c: &mut Ctx) -> LResult<Vec<Out>> {
     let s = sum_keep(b, e, &dims);
     let l = b.log(s);
     let r = b.add(l, m);
-    Ok(vec![Out::T(b.reshape(r, &reduced_shape(&t.shape, &dims, keep)))])
+    Ok(vec![Out::T(
+        b.reshape(r, &reduced_shape(&t.shape, &dims, keep)),
+    )])
 }
 
 fn all_any(c: &mut Ctx, kind: ReduceKind) -> LResult<Vec<Out>> {
     let t = input(c)?;
-    let dims = if c.args.has("dim") { dims_of(c, &t)? } else { (0..t.shape.len() as i64).collect() };
+    let dims = if c.args.has("dim") {
+        dims_of(c, &t)?
+    } else {
+        (0..t.shape.len() as i64).collect()
+    };
     let keep = c.args.bool_or("keepdim", false);
     let x = c.b.convert(t.value, DType::Bool);
     let r = reduce_keep(c.b, x, &dims, kind, keep);
     // uint8 inputs keep uint8 results, as in PyTorch.
-    let r = if t.dtype == DType::U8 { c.b.convert(r, DType::U8) } else { r };
+    let r = if t.dtype == DType::U8 {
+        c.b.convert(r, DType::U8)
+    } else {
+        r
+    };
     Ok(vec![Out::T(r)])
 }
 
@@ -306,9 +354,17 @@ fn softmax(c: &mut Ctx, log: bool) -> LResult<Vec<Out>> {
     let dim = wrap_dim(c.args.int("dim")?, t.shape.len())? as i64;
     let to_f32 = c.args.bool_or("half_to_float", false);
     let b = &mut *c.b;
-    let x = if to_f32 { b.convert(t.value, DType::F32) } else { t.value };
+    let x = if to_f32 {
+        b.convert(t.value, DType::F32)
+    } else {
+        t.value
+    };
     if t.shape.is_empty() {
-        let r = if log { b.splat(x, 0.0) } else { b.splat(x, 1.0) };
+        let r = if log {
+            b.splat(x, 0.0)
+        } else {
+            b.splat(x, 1.0)
+        };
         return Ok(vec![Out::T(r)]);
     }
     let m = reduce_keep(b, x, &[dim], ReduceKind::Max, true);
@@ -334,11 +390,7 @@ fn softmax_backward(c: &mut Ctx, log: bool) -> LResult<Vec<Out>> {
     let b = &mut *c.b;
     let gy = b.convert(g.value, y.dtype);
     let r = if y.shape.is_empty() {
-        if log {
-            b.splat(gy, 0.0)
-        } else {
-            b.splat(gy, 0.0)
-        }
+        b.splat(gy, 0.0)
     } else if log {
         let s = sum_keep(b, gy, &[dim]);
         let sb = expand_back(b, s, &y.shape);
@@ -376,6 +428,10 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::cumprod", |c| cumulative(c, ReduceKind::Prod)),
     ("aten::_softmax", |c| softmax(c, false)),
     ("aten::_log_softmax", |c| softmax(c, true)),
-    ("aten::_softmax_backward_data", |c| softmax_backward(c, false)),
-    ("aten::_log_softmax_backward_data", |c| softmax_backward(c, true)),
+    ("aten::_softmax_backward_data", |c| {
+        softmax_backward(c, false)
+    }),
+    ("aten::_log_softmax_backward_data", |c| {
+        softmax_backward(c, true)
+    }),
 ];

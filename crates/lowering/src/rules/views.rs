@@ -6,11 +6,21 @@ use crate::{user_err, Ctx, DType, ErrorKind, LResult, Out, Rule};
 fn cat(c: &mut Ctx) -> LResult<Vec<Out>> {
     let ts: Vec<_> = c.args.tensors("tensors")?.into_iter().cloned().collect();
     if ts.is_empty() {
-        return user_err(ErrorKind::Runtime, "torch.cat(): expected a non-empty list of Tensors");
+        return user_err(
+            ErrorKind::Runtime,
+            "torch.cat(): expected a non-empty list of Tensors",
+        );
     }
     // Legacy behaviour: 1-d empty tensors are skipped.
-    let parts: Vec<_> = ts.iter().filter(|t| !(t.shape.len() == 1 && t.shape[0] == 0)).collect();
-    let dt = ts.iter().map(|t| t.dtype).reduce(crate::promote::promote_types).unwrap_or(DType::F32);
+    let parts: Vec<_> = ts
+        .iter()
+        .filter(|t| !(t.shape.len() == 1 && t.shape[0] == 0))
+        .collect();
+    let dt = ts
+        .iter()
+        .map(|t| t.dtype)
+        .reduce(crate::promote::promote_types)
+        .unwrap_or(DType::F32);
     if parts.is_empty() {
         return Ok(vec![Out::T(c.b.full(dt, &[0], 0.0))]);
     }
@@ -56,7 +66,14 @@ fn flip(c: &mut Ctx) -> LResult<Vec<Out>> {
     for d in dims {
         let w = wrap_dim(d, t.shape.len())? as i64;
         if ds.contains(&w) {
-            return user_err(ErrorKind::Runtime, format!("dims has duplicates, original flip dims size={}, but unique flip dims size={}", ds.len() + 1, ds.len()));
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "dims has duplicates, original flip dims size={}, but unique flip dims size={}",
+                    ds.len() + 1,
+                    ds.len()
+                ),
+            );
         }
         ds.push(w);
     }
@@ -65,7 +82,12 @@ fn flip(c: &mut Ctx) -> LResult<Vec<Out>> {
     }
     let ty = c.b.ty(t.value).clone();
     let attrs = format!("dimensions = {}", stablehlo::i64_array(&ds));
-    Ok(vec![Out::T(c.b.op("stablehlo.reverse", &[t.value], &attrs, ty))])
+    Ok(vec![Out::T(c.b.op(
+        "stablehlo.reverse",
+        &[t.value],
+        &attrs,
+        ty,
+    ))])
 }
 
 fn roll(c: &mut Ctx) -> LResult<Vec<Out>> {
@@ -83,7 +105,11 @@ fn roll(c: &mut Ctx) -> LResult<Vec<Out>> {
     if shifts.len() != dims.len() {
         return user_err(
             ErrorKind::Runtime,
-            format!("shifts and dimensions must align. shifts: {}, dims:{}", shifts.len(), dims.len()),
+            format!(
+                "shifts and dimensions must align. shifts: {}, dims:{}",
+                shifts.len(),
+                dims.len()
+            ),
         );
     }
     let mut x = t.value;
@@ -94,7 +120,13 @@ fn roll(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(x)])
 }
 
-fn roll_dim(b: &mut stablehlo::Builder, x: stablehlo::Value, d: usize, shift: i64, n: i64) -> stablehlo::Value {
+fn roll_dim(
+    b: &mut stablehlo::Builder,
+    x: stablehlo::Value,
+    d: usize,
+    shift: i64,
+    n: i64,
+) -> stablehlo::Value {
     if n == 0 {
         return x;
     }
@@ -152,9 +184,18 @@ fn copy(c: &mut Ctx) -> LResult<Vec<Out>> {
 /// PyTorch's `expand` check, with its message.
 pub fn expand_check(from: &[i64], to: &[i64]) -> LResult<()> {
     let bad = from.len() > to.len()
-        || from.iter().rev().zip(to.iter().rev()).any(|(f, t)| *f != *t && *f != 1);
+        || from
+            .iter()
+            .rev()
+            .zip(to.iter().rev())
+            .any(|(f, t)| *f != *t && *f != 1);
     if bad {
-        let i = from.iter().rev().zip(to.iter().rev()).position(|(f, t)| *f != *t && *f != 1).unwrap_or(0);
+        let i = from
+            .iter()
+            .rev()
+            .zip(to.iter().rev())
+            .position(|(f, t)| *f != *t && *f != 1)
+            .unwrap_or(0);
         let d = to.len().saturating_sub(1 + i);
         return user_err(
             ErrorKind::Runtime,
@@ -173,15 +214,29 @@ pub fn expand_check(from: &[i64], to: &[i64]) -> LResult<()> {
 
 /// The dtype a factory computes in: the out= tensor's, else `dtype`, else PyTorch's default.
 fn factory_dtype(c: &Ctx, default: DType) -> DType {
-    c.out_dtypes.first().copied().or(c.args.opt_dtype("dtype")).unwrap_or(default)
+    c.out_dtypes
+        .first()
+        .copied()
+        .or(c.args.opt_dtype("dtype"))
+        .unwrap_or(default)
 }
 
 fn arange(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let start = c.args.opt_scalar("start").unwrap_or(crate::args::Scalar::Int(0));
+    let start = c
+        .args
+        .opt_scalar("start")
+        .unwrap_or(crate::args::Scalar::Int(0));
     let end = c.args.scalar("end")?;
-    let step = c.args.opt_scalar("step").unwrap_or(crate::args::Scalar::Int(1));
+    let step = c
+        .args
+        .opt_scalar("step")
+        .unwrap_or(crate::args::Scalar::Int(1));
     let is_int = |s: crate::args::Scalar| !matches!(s, crate::args::Scalar::Float(_));
-    let default = if is_int(start) && is_int(end) && is_int(step) { DType::I64 } else { DType::F32 };
+    let default = if is_int(start) && is_int(end) && is_int(step) {
+        DType::I64
+    } else {
+        DType::F32
+    };
     let dt = factory_dtype(c, default);
     let (s, e, st) = (start.as_f64(), end.as_f64(), step.as_f64());
     if st == 0.0 {
@@ -191,7 +246,10 @@ fn arange(c: &mut Ctx) -> LResult<Vec<Out>> {
         return user_err(ErrorKind::Runtime, format!("unsupported range: {s} -> {e}"));
     }
     if (st > 0.0 && e < s) || (st < 0.0 && e > s) {
-        return user_err(ErrorKind::Runtime, "upper bound and larger bound inconsistent with step sign");
+        return user_err(
+            ErrorKind::Runtime,
+            "upper bound and larger bound inconsistent with step sign",
+        );
     }
     let n = ((e - s) / st).ceil().max(0.0) as i64;
     let b = &mut *c.b;
@@ -220,15 +278,16 @@ fn linspace(c: &mut Ctx) -> LResult<Vec<Out>> {
     }
     let dt = factory_dtype(c, DType::F32);
     let b = &mut *c.b;
-    let bound = |b: &mut stablehlo::Builder, a: &crate::Args, name: &str| -> LResult<stablehlo::Value> {
-        match a.opt_tensor(name) {
-            Some(t) => {
-                let v = b.convert(t.value, DType::F64);
-                Ok(b.reshape(v, &[]))
+    let bound =
+        |b: &mut stablehlo::Builder, a: &crate::Args, name: &str| -> LResult<stablehlo::Value> {
+            match a.opt_tensor(name) {
+                Some(t) => {
+                    let v = b.convert(t.value, DType::F64);
+                    Ok(b.reshape(v, &[]))
+                }
+                None => Ok(b.constant(DType::F64, a.scalar(name)?.as_f64())),
             }
-            None => Ok(b.constant(DType::F64, a.scalar(name)?.as_f64())),
-        }
-    };
+        };
     let s = bound(b, c.args, "start")?;
     let e = bound(b, c.args, "end")?;
     let n = steps;
