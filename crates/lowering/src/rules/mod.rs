@@ -17,6 +17,8 @@ pub mod nn;
 pub mod pointwise;
 pub mod random;
 pub mod reduce;
+pub mod sorting;
+pub mod special;
 pub mod views;
 
 fn families() -> Vec<&'static [(&'static str, Rule)]> {
@@ -29,6 +31,8 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         nn::RULES,
         random::RULES,
         foreach::RULES,
+        special::RULES,
+        sorting::RULES,
     ]
 }
 

@@ -1,0 +1,5 @@
+//! sorting rules.
+
+use crate::Rule;
+
+pub const RULES: &[(&str, Rule)] = &[];

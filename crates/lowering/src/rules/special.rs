@@ -1,0 +1,5 @@
+//! special rules.
+
+use crate::Rule;
+
+pub const RULES: &[(&str, Rule)] = &[];
