@@ -120,6 +120,8 @@ struct GraphSources<'a> {
     lazy: &'a Mutex<HashMap<usize, (Value, DType)>>,
     gen: Option<*mut i64>,
     capturing: bool,
+    /// Storages this op added to `params` (removed again if the op fails).
+    added: Vec<usize>,
 }
 
 impl Sources for GraphSources<'_> {
@@ -159,6 +161,7 @@ impl Sources for GraphSources<'_> {
         self.inputs.push(buf);
         self.sources.push(Src::Storage(key, dtype));
         self.params.insert(key, (v, dtype));
+        self.added.push(key);
         Ok(v)
     }
 
@@ -220,6 +223,8 @@ impl Runtime {
             ..
         } = &mut *g;
         let capturing = *capturing;
+        let cp = b.checkpoint();
+        let n_inputs = inputs.len();
         let mut src = GraphSources {
             rt: self,
             device,
@@ -229,8 +234,21 @@ impl Runtime {
             lazy: &d.lazy[device],
             gen,
             capturing,
+            added: Vec::new(),
         };
-        let low = match lower_into(b, &mut src, op, overload, device, params, var)? {
+        let res = lower_into(b, &mut src, op, overload, device, params, var);
+        let added = std::mem::take(&mut src.added);
+        let done = matches!(res, Ok(LowerOutcome::Done(_)));
+        if !done {
+            // A failed or declined op leaves the pending graph as it was.
+            b.rollback(cp);
+            inputs.truncate(n_inputs);
+            sources.truncate(n_inputs);
+            for k in &added {
+                pmap.remove(k);
+            }
+        }
+        let low = match res? {
             LowerOutcome::Done(l) => l,
             LowerOutcome::Declined(w) => return Ok(Outcome::Declined(w)),
             LowerOutcome::Resize(r) => return Ok(Outcome::Resize(r)),

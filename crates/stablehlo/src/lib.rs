@@ -159,6 +159,14 @@ impl Value {
     }
 }
 
+/// See `Builder::checkpoint`.
+#[derive(Clone, Copy, Debug)]
+pub struct Checkpoint {
+    types: usize,
+    params: usize,
+    body: usize,
+}
+
 /// Builds one `func.func @main`.
 pub struct Builder {
     types: Vec<TensorType>,
@@ -219,6 +227,19 @@ impl Builder {
 
     pub fn rank(&self, v: Value) -> usize {
         self.types[v.0 as usize].shape.len()
+    }
+
+    /// A point to roll back to if an op fails half-way through emitting.
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint { types: self.types.len(), params: self.params.len(), body: self.bodies[0].len() }
+    }
+
+    /// Drops everything emitted since `cp` (only at the top level, outside regions).
+    pub fn rollback(&mut self, cp: Checkpoint) {
+        self.bodies.truncate(1);
+        self.bodies[0].truncate(cp.body);
+        self.params.truncate(cp.params);
+        self.types.truncate(cp.types);
     }
 
     /// Adds a function parameter.

@@ -124,11 +124,26 @@ impl Builder {
     pub fn div(&mut self, a: Value, b: Value) -> Value {
         self.binary("stablehlo.divide", a, b)
     }
+    /// Maximum that propagates NaN (XLA:CPU's maximum does not), as PyTorch's does.
     pub fn max(&mut self, a: Value, b: Value) -> Value {
-        self.binary("stablehlo.maximum", a, b)
+        self.combine(ReduceKind::Max, a, b)
     }
+    /// Minimum that propagates NaN, as PyTorch's does.
     pub fn min(&mut self, a: Value, b: Value) -> Value {
-        self.binary("stablehlo.minimum", a, b)
+        self.combine(ReduceKind::Min, a, b)
+    }
+
+    /// Applies a reduction combiner; float max/min return NaN if either side is NaN.
+    pub fn combine(&mut self, kind: ReduceKind, a: Value, b: Value) -> Value {
+        let dtype = self.dtype(a);
+        let r = self.binary(kind.op_name(dtype), a, b);
+        if !(dtype.is_float() && matches!(kind, ReduceKind::Max | ReduceKind::Min)) {
+            return r;
+        }
+        let a_nan = self.compare(a, a, CmpDir::Ne);
+        let r = self.select(a_nan, a, r);
+        let b_nan = self.compare(b, b, CmpDir::Ne);
+        self.select(b_nan, b, r)
     }
     pub fn and(&mut self, a: Value, b: Value) -> Value {
         self.binary("stablehlo.and", a, b)
@@ -414,10 +429,7 @@ impl Builder {
     pub fn reduce(&mut self, x: Value, dims: &[i64], kind: ReduceKind) -> Value {
         let dtype = self.dtype(x);
         let init = self.constant(dtype, kind.init(dtype));
-        let name = kind.op_name(dtype);
-        self.reduce_with(&[x], &[init], dims, |b, args| {
-            vec![b.binary(name, args[0], args[1])]
-        })[0]
+        self.reduce_with(&[x], &[init], dims, |b, args| vec![b.combine(kind, args[0], args[1])])[0]
     }
 
     /// A general variadic `reduce`: `body` gets (acc..., x...) scalars and returns the new accs.
@@ -468,9 +480,8 @@ impl Builder {
         let shape: Vec<i64> = (0..xs.len())
             .map(|i| (xs[i] + padding[i].0 + padding[i].1 - window[i]) / strides[i] + 1)
             .collect();
-        let name = kind.op_name(dtype);
         let st = TensorType::scalar(dtype);
-        let region = self.region(&[st.clone(), st], |b, a| vec![b.binary(name, a[0], a[1])]);
+        let region = self.region(&[st.clone(), st], |b, a| vec![b.combine(kind, a[0], a[1])]);
         let attrs = format!(
             "window_dimensions = {}, window_strides = {}, padding = {}",
             i64_array(window),
@@ -728,5 +739,69 @@ impl Builder {
             &attrs,
             &[ty],
         )[0]
+    }
+}
+
+/// Sorting and dense linear algebra.
+impl Builder {
+    /// `sort` of `xs` (same shape) along `dim`; `less` gets (lhs0, rhs0, lhs1, rhs1, ...)
+    /// scalars and returns whether lhs orders before rhs.
+    pub fn sort(
+        &mut self,
+        xs: &[Value],
+        dim: usize,
+        stable: bool,
+        less: impl FnOnce(&mut Builder, &[Value]) -> Value,
+    ) -> Vec<Value> {
+        let mut arg_tys = Vec::new();
+        for x in xs {
+            let st = TensorType::scalar(self.dtype(*x));
+            arg_tys.push(st.clone());
+            arg_tys.push(st);
+        }
+        let region = self.region(&arg_tys, |b, a| vec![less(b, a)]);
+        let results: Vec<TensorType> = xs.iter().map(|x| self.ty(*x).clone()).collect();
+        let attrs = format!("dimension = {dim} : i64, is_stable = {stable}");
+        self.op_regions("stablehlo.sort", xs, &[region], &attrs, &results)
+    }
+
+    /// Cholesky factor of batched matrices `[..., n, n]`; the other triangle is undefined.
+    pub fn cholesky(&mut self, a: Value, lower: bool) -> Value {
+        let ty = self.ty(a).clone();
+        self.op("stablehlo.cholesky", &[a], &format!("lower = {lower}"), ty)
+    }
+
+    /// Solves `op(a) x = b` (`left_side`) or `x op(a) = b` for triangular batched `a`.
+    pub fn triangular_solve(
+        &mut self,
+        a: Value,
+        b: Value,
+        left_side: bool,
+        lower: bool,
+        unit_diagonal: bool,
+        transpose: bool,
+    ) -> Value {
+        let ty = self.ty(b).clone();
+        let t = if transpose { "TRANSPOSE" } else { "NO_TRANSPOSE" };
+        let attrs = format!(
+            "left_side = {left_side}, lower = {lower}, unit_diagonal = {unit_diagonal}, transpose_a = #stablehlo<transpose {t}>"
+        );
+        self.op("stablehlo.triangular_solve", &[a, b], &attrs, ty)
+    }
+}
+
+impl Builder {
+    /// A `stablehlo.while` loop carrying `init`: `cond` maps the carried values to a 0-d
+    /// i1 (loop while true), `body` maps them to their next values (same types).
+    pub fn while_loop(
+        &mut self,
+        init: &[Value],
+        cond: impl FnOnce(&mut Builder, &[Value]) -> Value,
+        body: impl FnOnce(&mut Builder, &[Value]) -> Vec<Value>,
+    ) -> Vec<Value> {
+        let tys: Vec<TensorType> = init.iter().map(|v| self.ty(*v).clone()).collect();
+        let c = self.region(&tys, |b, a| vec![cond(b, a)]);
+        let r = self.region(&tys, body);
+        self.op_regions("stablehlo.while", init, &[c, r], "", &tys)
     }
 }

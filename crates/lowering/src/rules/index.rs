@@ -1,17 +1,19 @@
-//! Indexing: index_select, gather, scatter (+ add/reduce), advanced indexing (`index`,
-//! `index_put`), masked_fill/masked_scatter, embedding (+ dense backward), index_add,
-//! index_copy, index_fill, index_reduce, take, put.
+//! Indexing: index_select, gather, take, scatter (+ add/reduce), advanced indexing
+//! (`index`, `index_put`), masked_fill/masked_scatter, embedding (+ dense backward),
+//! index_add/copy/fill/reduce, put, and slice/select/diagonal scatter (+ the backward ops of
+//! those views).
 //!
 //! Index values are never range-checked: PyTorch raises IndexError for an out-of-range
 //! index, which here would cost a device-to-host sync per op. XLA's gather clamps start
 //! indices into range and its scatter drops out-of-range updates, so a bad index gives
 //! unspecified values, never a crash. Every check that needs only shapes and dtypes raises
 //! PyTorch's own error. Errors that depend on index values in other ways (a non-empty index
-//! into an empty dimension) decline, so the CPU fallback raises them.
+//! into an empty dimension) decline, so the CPU fallback raises them; so do boolean mask
+//! indices (data-dependent result shape).
 //!
 //! All index arithmetic is in i64. Ops with duplicate indices and no combiner (scatter,
 //! index_put without accumulate, index_copy, put) keep one of the writes, as PyTorch does
-//! not specify which either.
+//! not specify which either. Additive scatters of f16/bf16 accumulate in f32.
 
 use stablehlo::{Builder, CmpDir, ReduceKind, Value};
 
@@ -562,6 +564,83 @@ fn embedding_dense_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.convert(out, g.dtype))])
 }
 
+/// `embedding_renorm_`: rows of `self` named by `indices` whose `norm_type`-norm exceeds
+/// `max_norm` are scaled to `max_norm` (each row once, however often it is named).
+fn embedding_renorm(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let w = c.args.tensor("self")?.clone();
+    let idx = c.args.tensor("indices")?.clone();
+    let max_norm = c.args.float("max_norm")?;
+    let p = c.args.float("norm_type")?;
+    if w.shape.len() != 2 {
+        return user_err(
+            Runtime,
+            format!(
+                "Expected 2-dimensional tensor, but got {}-dimensional tensor for argument #1 'self' (while checking arguments for embedding_renorm_)",
+                w.shape.len()
+            ),
+        );
+    }
+    check_embedding_indices(&idx, "#2", "embedding_renorm_")?;
+    if !w.dtype.is_float() {
+        return decline("embedding_renorm_ of a non-float weight (PyTorch raises in norm)");
+    }
+    let (rows, n) = (w.shape[0], numel(&idx.shape));
+    if n == 0 || numel(&w.shape) == 0 {
+        return Ok(vec![Out::T(w.value)]);
+    }
+    let b = &mut *c.b;
+    // Half weights: the norm is rounded to the weight dtype (as PyTorch's norm returns it),
+    // the scaling runs in f32.
+    let acc = if matches!(w.dtype, DType::F16 | DType::BF16) {
+        DType::F32
+    } else {
+        w.dtype
+    };
+    let x = b.convert(w.value, acc);
+    let a = b.abs(x);
+    let norm = if p == f64::INFINITY {
+        b.reduce(a, &[1], ReduceKind::Max)
+    } else if p == f64::NEG_INFINITY {
+        b.reduce(a, &[1], ReduceKind::Min)
+    } else if p == 0.0 {
+        let z = b.splat(a, 0.0);
+        let nz = b.compare(a, z, CmpDir::Ne);
+        let nz = b.convert(nz, acc);
+        b.reduce(nz, &[1], ReduceKind::Sum)
+    } else if p == 1.0 {
+        b.reduce(a, &[1], ReduceKind::Sum)
+    } else if p == 2.0 {
+        let sq = b.mul(x, x);
+        let s = b.reduce(sq, &[1], ReduceKind::Sum);
+        b.sqrt(s)
+    } else {
+        let e = b.splat(a, p);
+        let pw = b.binary("stablehlo.power", a, e);
+        let s = b.reduce(pw, &[1], ReduceKind::Sum);
+        let inv = b.splat(s, 1.0 / p);
+        b.binary("stablehlo.power", s, inv)
+    };
+    let norm = b.convert(norm, w.dtype);
+    let norm = b.convert(norm, acc);
+    let mx = b.splat(norm, max_norm);
+    let big = b.compare(norm, mx, CmpDir::Gt);
+    let eps = b.splat(norm, 1e-7);
+    let den = b.add(norm, eps);
+    let scale = b.div(mx, den);
+    // Rows named by the indices.
+    let none = b.full(DType::Bool, &[rows], 0.0);
+    let hit = b.full(DType::Bool, &[n], 1.0);
+    let i = b.convert(idx.value, DType::I64);
+    let co = b.reshape(i, &[n, 1]);
+    let named = point_scatter(b, none, co, hit, Comb::Replace);
+    let on = b.and(named, big);
+    let one = b.splat(scale, 1.0);
+    let scale = b.select(on, scale, one);
+    let scale = b.broadcast_in_dim(scale, &w.shape, &[0]);
+    let y = b.mul(x, scale);
+    Ok(vec![Out::T(b.convert(y, w.dtype))])
+}
+
 // ---------------------------------------------------------------------------------------
 // scatter, scatter_add, scatter_reduce
 
@@ -847,6 +926,16 @@ fn index_put(c: &mut Ctx) -> LResult<Vec<Out>> {
     let indices = opt_indices(c)?;
     let values = c.args.tensor("values")?.clone();
     let accumulate = c.args.bool_or("accumulate", false);
+    let given: Vec<(usize, &TensorArg)> = indices
+        .iter()
+        .enumerate()
+        .filter_map(|(p, i)| i.as_ref().map(|i| (p, i)))
+        .collect();
+    if let [(p, m)] = given.as_slice() {
+        if m.dtype == DType::Bool && indices.len() <= t.shape.len() {
+            return mask_put(c, &t, *p, m, &values, accumulate);
+        }
+    }
     let a = advanced(c, &t, &indices)?;
     if !expandable(&values.shape, &a.out_shape) {
         return user_err(
@@ -891,6 +980,106 @@ fn index_put(c: &mut Ctx) -> LResult<Vec<Out>> {
             move |b, c, v| combine(b, how, c, v),
         )
     });
+    Ok(vec![Out::T(r)])
+}
+
+/// `self[..., mask, ...] = values` (or `+=`) for one boolean mask at list position `p`:
+/// the result keeps self's shape, so it is a select. Values with a dimension for the
+/// masked elements are taken in order (k-th true element gets row k); whether their count
+/// matches the mask's is not checked (PyTorch checks it at run time).
+fn mask_put(
+    c: &mut Ctx,
+    t: &TensorArg,
+    p: usize,
+    mask: &TensorArg,
+    values: &TensorArg,
+    accumulate: bool,
+) -> LResult<Vec<Out>> {
+    let rank = t.shape.len();
+    let m = mask.shape.len();
+    if m == 0 {
+        return decline("index_put with a 0-d mask");
+    }
+    for j in 0..m {
+        let d = wrap_dim((p + j) as i64, rank)?;
+        if mask.shape[j] != t.shape[d] {
+            return user_err(
+                IndexErr,
+                format!(
+                    "The shape of the mask {} at index {j} does not match the shape of the indexed tensor {} at index {d}",
+                    shape_str(&mask.shape),
+                    shape_str(&t.shape)
+                ),
+            );
+        }
+    }
+    let (pre, post) = (&t.shape[..p], &t.shape[p + m..]);
+    let (vs, np) = (&values.shape, post.len());
+    // The values dim facing the masked elements (if values reach that far).
+    let k = vs.len().checked_sub(np + 1);
+    let fits = match k {
+        None => expandable(vs, post),
+        Some(k) => expandable(&vs[..k], pre) && expandable(&vs[k + 1..], post),
+    };
+    if !fits {
+        return decline("index_put: values do not broadcast (the error names the mask count)");
+    }
+    if values.dtype != t.dtype {
+        return user_err(
+            Runtime,
+            format!(
+                "Index put requires the source and destination dtypes match, got {} for the destination and {} for the source.",
+                torch_name(t.dtype),
+                torch_name(values.dtype)
+            ),
+        );
+    }
+    supported(t.dtype)?;
+    if numel(&t.shape) == 0 {
+        return Ok(vec![Out::T(t.value)]);
+    }
+    let b = &mut *c.b;
+    let v = match k {
+        Some(k) if vs[k] != 1 => {
+            // Row `pos` of the values for each element: masked elements before it.
+            let mut full = pre.to_vec();
+            full.push(vs[k]);
+            full.extend_from_slice(post);
+            let vb = b.broadcast_to(values.value, &full);
+            let (pn, qn, mn) = (numel(pre), numel(post), numel(&mask.shape));
+            let vb = b.reshape(vb, &[pn, vs[k], qn]);
+            let flat = b.reshape(mask.value, &[mn]);
+            let ones = b.convert(flat, DType::I64);
+            let incl = scan(b, ones, 0, ReduceKind::Sum);
+            let pos = b.sub(incl, ones);
+            let lo = b.splat(pos, 0.0);
+            let hi = b.splat(pos, (vs[k] - 1) as f64);
+            let pos = b.clamp(lo, pos, hi);
+            let g = select_rows(b, vb, 1, pos);
+            b.reshape(g, &t.shape)
+        }
+        Some(k) => {
+            // A size-1 dim facing the masked elements broadcasts over all of them.
+            let mut sh = vs[..k].to_vec();
+            sh.extend(std::iter::repeat_n(1, m));
+            sh.extend_from_slice(&vs[k + 1..]);
+            let v = b.reshape(values.value, &sh);
+            b.broadcast_to(v, &t.shape)
+        }
+        None => b.broadcast_to(values.value, &t.shape),
+    };
+    let mut ms = vec![1; p];
+    ms.extend_from_slice(&mask.shape);
+    ms.extend(std::iter::repeat_n(1, np));
+    let mk = b.reshape(mask.value, &ms);
+    let mk = b.broadcast_to(mk, &t.shape);
+    let r = if accumulate {
+        let z = b.splat(v, 0.0);
+        let add = b.select(mk, v, z);
+        combine(b, Comb::Red(ReduceKind::Sum), t.value, add)
+    } else {
+        b.select(mk, v, t.value)
+    };
     Ok(vec![Out::T(r)])
 }
 
@@ -1048,8 +1237,7 @@ fn index_func_checks(
     Ok(())
 }
 
-/// Reads (self, dim, index, source) of the index_* ops: self and source as at least 1-d
-/// values, the index as a 1-d i64 value.
+/// Reads (self, dim, index, source) of index_add/copy/reduce.
 fn index_func_args(c: &mut Ctx) -> LResult<(TensorArg, usize, TensorArg, TensorArg)> {
     let t = c.args.tensor("self")?.clone();
     let dim = wrap_dim(c.args.int("dim")?, t.shape.len())?;
@@ -1058,6 +1246,7 @@ fn index_func_args(c: &mut Ctx) -> LResult<(TensorArg, usize, TensorArg, TensorA
     Ok((t, dim, index, src))
 }
 
+/// Self and source as at least 1-d values, the index as a 1-d i64 value.
 fn index_operands(
     b: &mut Builder,
     t: &TensorArg,
@@ -1617,6 +1806,7 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::take", take),
     ("aten::embedding", embedding),
     ("aten::embedding_dense_backward", embedding_dense_backward),
+    ("aten::embedding_renorm", embedding_renorm),
     ("aten::scatter", scatter),
     ("aten::scatter_add", scatter_add),
     ("aten::scatter_reduce", scatter_reduce),
