@@ -123,6 +123,24 @@ pub fn torch_name(d: DType) -> &'static str {
     }
 }
 
+/// The C++ element type name PyTorch prints in some messages ("expected scalar type ...").
+pub fn cpp_name(d: DType) -> &'static str {
+    match d {
+        DType::Bool => "bool",
+        DType::U8 => "unsigned char",
+        DType::I8 => "signed char",
+        DType::I16 => "short int",
+        DType::I32 => "int",
+        DType::I64 => "long int",
+        DType::U32 => "unsigned int",
+        DType::U64 => "long unsigned int",
+        DType::F16 => "c10::Half",
+        DType::BF16 => "c10::BFloat16",
+        DType::F32 => "float",
+        DType::F64 => "double",
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

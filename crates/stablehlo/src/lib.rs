@@ -231,7 +231,11 @@ impl Builder {
 
     /// A point to roll back to if an op fails half-way through emitting.
     pub fn checkpoint(&self) -> Checkpoint {
-        Checkpoint { types: self.types.len(), params: self.params.len(), body: self.bodies[0].len() }
+        Checkpoint {
+            types: self.types.len(),
+            params: self.params.len(),
+            body: self.bodies[0].len(),
+        }
     }
 
     /// Drops everything emitted since `cp` (only at the top level, outside regions).

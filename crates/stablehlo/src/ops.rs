@@ -429,7 +429,9 @@ impl Builder {
     pub fn reduce(&mut self, x: Value, dims: &[i64], kind: ReduceKind) -> Value {
         let dtype = self.dtype(x);
         let init = self.constant(dtype, kind.init(dtype));
-        self.reduce_with(&[x], &[init], dims, |b, args| vec![b.combine(kind, args[0], args[1])])[0]
+        self.reduce_with(&[x], &[init], dims, |b, args| {
+            vec![b.combine(kind, args[0], args[1])]
+        })[0]
     }
 
     /// A general variadic `reduce`: `body` gets (acc..., x...) scalars and returns the new accs.
@@ -782,7 +784,11 @@ impl Builder {
         transpose: bool,
     ) -> Value {
         let ty = self.ty(b).clone();
-        let t = if transpose { "TRANSPOSE" } else { "NO_TRANSPOSE" };
+        let t = if transpose {
+            "TRANSPOSE"
+        } else {
+            "NO_TRANSPOSE"
+        };
         let attrs = format!(
             "left_side = {left_side}, lower = {lower}, unit_diagonal = {unit_diagonal}, transpose_a = #stablehlo<transpose {t}>"
         );

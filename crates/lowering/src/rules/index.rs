@@ -15,10 +15,10 @@
 //! index_put without accumulate, index_copy, put) keep one of the writes, as PyTorch does
 //! not specify which either. Additive scatters of f16/bf16 accumulate in f32.
 
+use crate::promote::{cpp_name, torch_name};
 use stablehlo::{Builder, CmpDir, ReduceKind, Value};
 
 use crate::args::Scalar;
-use crate::promote::torch_name;
 use crate::rules::reduce::scan;
 use crate::rules::{opnd, Opnd};
 use crate::shape::{broadcast_all, broadcast_shapes, numel, shape_str, wrap_dim};
@@ -236,43 +236,6 @@ fn reduce_into(
     }
 }
 
-/// PyTorch's C++ name of a dtype (as in "masked_fill_ only supports boolean masks").
-fn cpp_name(d: DType) -> &'static str {
-    match d {
-        DType::Bool => "bool",
-        DType::U8 => "unsigned char",
-        DType::I8 => "signed char",
-        DType::I16 => "short int",
-        DType::I32 => "int",
-        DType::I64 => "long int",
-        DType::U32 => "unsigned int",
-        DType::U64 => "long unsigned int",
-        DType::F16 => "c10::Half",
-        DType::BF16 => "c10::BFloat16",
-        DType::F32 => "float",
-        DType::F64 => "double",
-    }
-}
-
-/// The legacy tensor type name PyTorch prints in argument checks ("torch.FloatTensor").
-fn legacy_name(d: DType) -> String {
-    let n = match d {
-        DType::Bool => "Bool",
-        DType::U8 => "Byte",
-        DType::I8 => "Char",
-        DType::I16 => "Short",
-        DType::I32 => "Int",
-        DType::I64 => "Long",
-        DType::U32 => "UInt32",
-        DType::U64 => "UInt64",
-        DType::F16 => "Half",
-        DType::BF16 => "BFloat16",
-        DType::F32 => "Float",
-        DType::F64 => "Double",
-    };
-    format!("torch.{n}Tensor")
-}
-
 /// PyTorch refuses to fill with a number the dtype cannot hold.
 fn check_fill_value(dt: DType, s: Scalar) -> LResult<()> {
     let (name, lo, hi): (&str, f64, f64) = match dt {
@@ -482,8 +445,8 @@ fn check_embedding_indices(idx: &TensorArg, arg: &str, op: &str) -> LResult<()> 
         return user_err(
             Runtime,
             format!(
-                "Expected tensor for argument {arg} 'indices' to have one of the following scalar types: Long, Int; but got {} instead (while checking arguments for {op})",
-                legacy_name(idx.dtype)
+                "Expected tensor for argument {arg} 'indices' to have one of the following scalar types: Long, Int; but got torch.{}Tensor instead (while checking arguments for {op})",
+                torch_name(idx.dtype)
             ),
         );
     }

@@ -8,6 +8,7 @@
 //! counter per returned word (u32 or u64), so counting words is a safe upper bound.
 
 use crate::args::Arg;
+use crate::promote::cpp_name;
 use crate::promote::torch_name;
 use crate::shape::broadcast_shapes;
 use crate::{
@@ -146,24 +147,6 @@ fn fmt_num(v: f64) -> String {
     } else {
         let decimals = (5 - exp).max(0) as usize;
         trim(&format!("{v:.decimals$}"))
-    }
-}
-
-/// C++'s name of the element type, as `TypeMeta` prints in PyTorch's messages.
-fn cpp_name(d: DType) -> &'static str {
-    match d {
-        DType::Bool => "bool",
-        DType::U8 => "unsigned char",
-        DType::I8 => "signed char",
-        DType::I16 => "short int",
-        DType::I32 => "int",
-        DType::I64 => "long int",
-        DType::U32 => "unsigned int",
-        DType::U64 => "unsigned long",
-        DType::F16 => "c10::Half",
-        DType::BF16 => "c10::BFloat16",
-        DType::F32 => "float",
-        DType::F64 => "double",
     }
 }
 

@@ -742,17 +742,27 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::atan", |c| float1(c, |b, x| b.unary("chlo.atan", x))),
     ("aten::sinh", |c| float1(c, |b, x| b.unary("chlo.sinh", x))),
     ("aten::cosh", |c| float1(c, |b, x| b.unary("chlo.cosh", x))),
-    ("aten::asinh", |c| float1(c, |b, x| b.unary("chlo.asinh", x))),
-    ("aten::acosh", |c| float1(c, |b, x| b.unary("chlo.acosh", x))),
-    ("aten::atanh", |c| float1(c, |b, x| b.unary("chlo.atanh", x))),
+    ("aten::asinh", |c| {
+        float1(c, |b, x| b.unary("chlo.asinh", x))
+    }),
+    ("aten::acosh", |c| {
+        float1(c, |b, x| b.unary("chlo.acosh", x))
+    }),
+    ("aten::atanh", |c| {
+        float1(c, |b, x| b.unary("chlo.atanh", x))
+    }),
     // Error function family and the normal distribution.
     ("aten::erfc", |c| float1(c, |b, x| b.unary("chlo.erfc", x))),
-    ("aten::erfinv", |c| float1(c, |b, x| b.unary("chlo.erf_inv", x))),
+    ("aten::erfinv", |c| {
+        float1(c, |b, x| b.unary("chlo.erf_inv", x))
+    }),
     ("aten::special_erfcx", |c| float1_wide(c, erfcx)),
     ("aten::special_ndtri", |c| float1_wide(c, ndtri)),
     ("aten::special_log_ndtr", |c| float1_wide(c, log_ndtr)),
     // Gamma family.
-    ("aten::lgamma", |c| float1(c, |b, x| b.unary("chlo.lgamma", x))),
+    ("aten::lgamma", |c| {
+        float1(c, |b, x| b.unary("chlo.lgamma", x))
+    }),
     ("aten::digamma", |c| float1_wide(c, digamma)),
     ("aten::polygamma", polygamma),
     ("aten::special_zeta", |c| {
@@ -761,7 +771,9 @@ pub const RULES: &[(&str, Rule)] = &[
         })
     }),
     // Modified Bessel functions.
-    ("aten::i0", |c| float1_wide(c, |b, x| bessel_i(b, x, 0, false))),
+    ("aten::i0", |c| {
+        float1_wide(c, |b, x| bessel_i(b, x, 0, false))
+    }),
     ("aten::special_i0e", |c| {
         float1_wide(c, |b, x| bessel_i(b, x, 0, true))
     }),
@@ -816,19 +828,25 @@ pub const RULES: &[(&str, Rule)] = &[
     }),
     // Float bit tricks and classification.
     ("aten::copysign", |c| {
-        map(c, &["self", "other"], to_float, |b, v| copysign(b, v[0], v[1]))
+        map(c, &["self", "other"], to_float, |b, v| {
+            copysign(b, v[0], v[1])
+        })
     }),
     ("aten::nextafter", |c| {
         map_only(c, &["self", "other"], "nextafter_cpu", is_float, |b, v| {
             b.binary("chlo.next_after", v[0], v[1])
         })
     }),
-    ("aten::signbit", |c| map(c, &["self"], same, |b, v| signbit(b, v[0]))),
+    ("aten::signbit", |c| {
+        map(c, &["self"], same, |b, v| signbit(b, v[0]))
+    }),
     ("aten::isposinf", |c| is_inf_dir(c, f64::INFINITY)),
     ("aten::isneginf", |c| is_inf_dir(c, f64::NEG_INFINITY)),
     ("aten::nan_to_num", nan_to_num),
     ("aten::fmax", |c| {
-        map(c, &["self", "other"], same, |b, v| fminmax(b, v[0], v[1], true))
+        map(c, &["self", "other"], same, |b, v| {
+            fminmax(b, v[0], v[1], true)
+        })
     }),
     ("aten::fmin", |c| {
         map(c, &["self", "other"], same, |b, v| {
@@ -845,9 +863,13 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::lcm", lcm),
     // Activations.
     ("aten::softshrink", softshrink),
-    ("aten::softshrink_backward", |c| shrink_backward(c, "grad_output")),
+    ("aten::softshrink_backward", |c| {
+        shrink_backward(c, "grad_output")
+    }),
     ("aten::hardshrink", hardshrink),
-    ("aten::hardshrink_backward", |c| shrink_backward(c, "grad_out")),
+    ("aten::hardshrink_backward", |c| {
+        shrink_backward(c, "grad_out")
+    }),
     ("aten::glu", glu),
     ("aten::glu_backward", glu_backward),
     ("aten::_prelu_kernel", prelu),
