@@ -27,13 +27,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_on_device, fallbacks, to_cpu, to_tpu
 from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.testing._internal.opinfo.core import DecorateInfo, SampleInput
 from torch.utils._pytree import tree_flatten, tree_map
 
 import torch_pjrt
-from conftest import assert_on_device, fallbacks, to_cpu, to_tpu
 
 EXPECTED_FILE = Path(__file__).with_name("expected_failures.txt")
 DTYPES = {
@@ -246,7 +246,8 @@ def run_both(fn, name, sample):
 def check_metadata(actual, expected):
     a, _ = tree_flatten(actual)
     e, _ = tree_flatten(expected)
-    for x, y in zip(a, e):
+    assert len(a) == len(e), "result structure differs"
+    for x, y in zip(a, e, strict=True):
         if isinstance(y, torch.Tensor):
             assert (x.shape, x.dtype) == (y.shape, y.dtype), f"{x.shape, x.dtype} != {y.shape, y.dtype}"
 
@@ -331,8 +332,9 @@ def test_opinfo(name, dname, direction, request):
     if first_raise and not compared and direction != "inplace":
         pytest.fail(f"no sample ran on the CPU: {first_raise[:200]}")
     fb = fallbacks()
+    request.node.user_properties.append(("fallbacks", sorted(fb)))
     if native and fb:
-        pytest.fail(f"falls back: {', '.join(sorted(fb))} (native rule aten::{native})")
+        pytest.fail(f"falls back: {', '.join(sorted(fb))} (rule aten::{native})")
 
 
 # ---------------------------------------------------------------------------
@@ -345,7 +347,7 @@ def test_expected_failures_file_is_valid():
     seen = set()
     case_ids = {c.id for c in CASES}
     problems = []
-    for op, dt, d, kind, reason, lineno in EXPECTED:
+    for op, dt, d, _kind, _reason, lineno in EXPECTED:
         key = (op, dt, d)
         if key in seen:
             problems.append(f"line {lineno}: duplicate {key}")

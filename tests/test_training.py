@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import fallbacks
 
 import torch_pjrt
-from conftest import fallbacks
 
 STEPS = 20
 

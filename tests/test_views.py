@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import TPU, compare, fallbacks, to_cpu
 
 import torch_pjrt
-from conftest import TPU, compare, fallbacks, to_cpu
 
 ALL_DTYPES = [
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -95,7 +95,7 @@ def test_base_write_shows_in_existing_views():
     x[0, 0] = 99
     c = grid(4, 4) * -1
     c[0, 0] = 99
-    for v, e in zip(views, [c[1], c[:, 2], c.t(), c.view(16)[5:9], c.diagonal()]):
+    for v, e in zip(views, [c[1], c[:, 2], c.t(), c.view(16)[5:9], c.diagonal()], strict=True):
         torch.testing.assert_close(v.cpu(), e)
 
 
@@ -383,9 +383,6 @@ DETERMINISTIC_FACTORIES = {
 
 # Factories that still run on the CPU fallback: {name: reason}.
 FACTORY_FALLBACKS = {
-    "arange": "aten::arange has no lowering (falls back)",
-    "arange_step": "aten::arange has no lowering (falls back)",
-    "linspace": "aten::linspace has no lowering (falls back)",
     "eye": "aten::eye has no lowering (falls back)",
 }
 

@@ -10,10 +10,12 @@ the host) runs eagerly on tpu every call instead, and is counted in ``metrics()`
 """
 
 import collections
+import functools
 
 import torch
 from torch._dynamo import register_backend
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.exc import ShortenTraceback
 
 from . import _C
 
@@ -33,6 +35,18 @@ KNOWN_OPTIONS = {
 counters = collections.Counter()
 
 
+class OptionError(ValueError, ShortenTraceback):
+    """A bad ``mode``/``options`` for the tpu backend.
+
+    Dynamo wraps a backend's exceptions in BackendCompilerFailed except ShortenTraceback
+    ones; deriving from it lets the user see a ValueError.
+    """
+
+    def __init__(self, msg):
+        Exception.__init__(self, msg)
+        self.first_useful_frame = None  # what ShortenTraceback reads: nothing to shorten
+
+
 def _meta(t):
     s = t.untyped_storage()
     return (s.data_ptr(), _DTYPE[t.dtype], list(t.shape), list(t.stride()), t.storage_offset(),
@@ -47,19 +61,31 @@ class _Graph:
     """One AOTAutograd graph (forward or backward) and its compiled programs by input layout."""
 
     def __init__(self, gm, dump):
+        # AOTAutograd passes the arguments as one list. An instance attribute, so that
+        # functools.wraps (Dynamo's disable() around the backward) copies it.
+        self._boxed_call = True
         self.gm = gm
         self.dump = dump
         self.programs = {}
 
     def _key(self, args):
-        return tuple(
-            (a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(), a.device.index)
-            if isinstance(a, torch.Tensor) else ("py", type(a), a if isinstance(a, (int, float, bool)) else None)
-            for a in args
-        )
+        # A program reads each input's whole storage (its size is a parameter type), and
+        # inputs sharing a storage at capture share one parameter: both are part of the key.
+        first = {}
+        key = []
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                s = a.untyped_storage()
+                alias = first.setdefault(s.data_ptr(), i)
+                key.append((a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(),
+                            a.device.index, s.nbytes(), alias))
+            else:
+                key.append(("py", type(a), a if isinstance(a, (int, float, bool)) else None))
+        return tuple(key)
 
-    def __call__(self, *args):
-        if not all(_is_tpu(a) for a in args if isinstance(a, torch.Tensor)):
+    def __call__(self, args):
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not all(_is_tpu(a) and a.dtype in _DTYPE for a in tensors):
             counters["eager_graphs"] += 1
             return self.gm(*args)
         key = self._key(args)
@@ -88,7 +114,7 @@ class _Graph:
                 _C.capture_end(device, [], [])
                 raise
             flat, spec = _flatten(res)
-            if not all(_is_tpu(t) and t.device.index == device for t in flat):
+            if not all(_is_tpu(t) and t.device.index == device and t.dtype in _DTYPE for t in flat):
                 _C.capture_end(device, [], [])
                 self.programs[key] = "eager"
                 counters["graph_breaks"] += 1
@@ -133,11 +159,33 @@ def _rebuild(spec, outs):
     return kind(vals)
 
 
+# Functional variants without a lowering whose decomposition is not among the core ones:
+# the functionalized graph calls these, and their composite kernel would call the mutating
+# op (running stats marked as written), which the lowering rules do not model.
+_EXTRA_DECOMPS = ("_native_batch_norm_legit_functional",)
+
+
+@functools.lru_cache(maxsize=None)
+def _required_decompositions():
+    """Always applied (whatever the ``decompositions`` option): without them the graph
+    cannot be captured at all."""
+    from torch._decomp import decomposition_table
+
+    lowered = set(_C.lowered_ops())
+    table = {}
+    for name in _EXTRA_DECOMPS:
+        op = getattr(torch.ops.aten, name).default
+        if f"aten::{name}" not in lowered and op in decomposition_table:
+            table[op] = decomposition_table[op]
+    return table
+
+
+@functools.lru_cache(maxsize=None)
 def _decompositions():
     from torch._decomp import core_aten_decompositions
 
     lowered = set(_C.lowered_ops())
-    table = {}
+    table = dict(_required_decompositions())
     for op, fn in core_aten_decompositions().items():
         name = op.name() if hasattr(op, "name") else str(op)
         base = name.split(".")[0]
@@ -151,23 +199,24 @@ def _decompositions():
 def tpu_backend(gm, example_inputs, mode=None, options=None, **kwargs):
     """The Dynamo backend registered as ``"tpu"``."""
     if mode not in KNOWN_MODES:
-        raise ValueError(f"torch.compile(backend='tpu'): unknown mode {mode!r}; known: {KNOWN_MODES}")
+        raise OptionError(f"torch.compile(backend='tpu'): unknown mode {mode!r}; known: {KNOWN_MODES}")
     options = dict(options or {})
     unknown = sorted(set(options) - set(KNOWN_OPTIONS))
     if unknown:
-        raise ValueError(
+        raise OptionError(
             f"torch.compile(backend='tpu'): unknown options {unknown}; known: {KNOWN_OPTIONS}"
         )
     dump = bool(options.get("dump_stablehlo", False))
     decomp = options.get("decompositions", "none")
     if decomp not in ("none", "core"):
-        raise ValueError(f"torch.compile(backend='tpu'): decompositions must be 'none' or 'core', got {decomp!r}")
+        raise OptionError(f"torch.compile(backend='tpu'): decompositions must be 'none' or 'core', got {decomp!r}")
 
     def compiler(g, _inputs):
         return _Graph(g, dump)
 
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
-                        decompositions=_decompositions() if decomp == "core" else {})(gm, example_inputs)
+                        decompositions=dict(_decompositions() if decomp == "core"
+                                            else _required_decompositions()))(gm, example_inputs)
 
 
 register_backend(name="tpu", compiler_fn=tpu_backend)
@@ -212,6 +261,44 @@ def export_stablehlo(fn, *example_inputs):
 
 
 _last_export = None
+
+_MLIR_DTYPE = {
+    "f32": torch.float32, "f64": torch.float64, "f16": torch.float16, "bf16": torch.bfloat16,
+    "i1": torch.bool, "i8": torch.int8, "i16": torch.int16, "i32": torch.int32, "i64": torch.int64,
+    "ui8": torch.uint8,
+}
+
+
+def _result_types(mlir):
+    """(dtype, shape) of each result of the module's main function."""
+    import re
+
+    m = re.search(r"func\.func public @main\(.*?\)\s*->\s*(\(.*?\)|tensor<[^>]*>)\s*\{", mlir, re.S)
+    if m is None:
+        return []
+    types = []
+    for t in re.findall(r"tensor<([^>]*)>", m.group(1)):
+        *dims, elem = t.split("x")
+        types.append((_MLIR_DTYPE.get(elem), [int(d) for d in dims]))
+    return types
+
+
+def export_signature():
+    """The last ``export_stablehlo``'s program signature: ``(params, results)``.
+
+    ``params``: for each program parameter, in order, the tensor it reads (an input, or a
+    module's parameter or buffer), or None for a value fixed at export (a tensor the function
+    closed over, a host constant, random state). ``results``, one per program result:
+    first ``fn``'s tensor results, as tensors holding the export run's values; then
+    (dtype, [numel]) for each other value the program returns (tensors the function left
+    alive: for a training step, new gradients and optimizer state).
+    """
+    if _last_export is None:
+        raise RuntimeError("export_signature: nothing was exported yet")
+    pid, tensors, outs = _last_export
+    params = [tensors[i] if i >= 0 else None for i in _C.captured_inputs(pid)]
+    results = list(outs) + _result_types(_C.captured_mlir(pid))[len(outs):]
+    return params, results
 
 
 class _nullctx:

@@ -102,8 +102,8 @@ fn converted(
     match dispatch(rt, "torch_pjrt::copy", "", &params)? {
         Outcome::Done(rets) => match rets.into_iter().next() {
             Some(Ret::Tensor { handle, .. }) => {
-                // SAFETY: dispatch returns a fresh Box<Storage> that we own.
-                let s = unsafe { Box::from_raw(handle) };
+                // SAFETY: dispatch returns a fresh handle whose reference we now own.
+                let s = unsafe { Storage::from_handle(handle) };
                 let (buf, _) = s
                     .current()?
                     .ok_or_else(|| Error::runtime("copy produced no buffer"))?;

@@ -66,9 +66,9 @@ fn new_tensor(
 ) -> Result<Ret> {
     let n: i64 = sizes.iter().product();
     let buf = rt.upload(bytes, dtype, &[n], device)?;
-    let s = Box::new(Storage::with_buffer(Arc::new(buf), dtype, device));
+    let s = Storage::with_buffer(Arc::new(buf), dtype, device);
     Ok(Ret::Tensor {
-        handle: Box::into_raw(s),
+        handle: s.into_handle(),
         dtype,
         sizes,
         device,

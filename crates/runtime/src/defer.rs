@@ -18,13 +18,17 @@ use crate::exec::{
 use crate::storage::Storage;
 use crate::{host, Error, Result, Runtime};
 
+/// A pending value of a storage: (flat value, dtype, a reference that keeps the storage
+/// and its address alive until the graph runs).
+type Pending = (Value, DType, Arc<Storage>);
+
 struct Graph {
     b: Builder,
     inputs: Vec<Arc<pjrt::Buffer>>,
     /// What each input is (parallel to `inputs`), for replaying captured graphs.
     sources: Vec<Src>,
     /// Storages read from their materialized buffer: their parameter.
-    params: HashMap<usize, (Value, DType)>,
+    params: HashMap<usize, Pending>,
     ops: usize,
     /// Recording a graph for torch.compile: no size-limit flushes.
     capturing: bool,
@@ -57,7 +61,7 @@ impl Graph {
 pub struct Deferred {
     graphs: Vec<Mutex<Graph>>,
     /// Lazy storage -> its current flat value. Locked after its graph, never before.
-    lazy: Vec<Mutex<HashMap<usize, (Value, DType)>>>,
+    lazy: Vec<Mutex<HashMap<usize, Pending>>>,
     /// Compiled graphs by module text.
     programs: Mutex<HashMap<String, Arc<pjrt::Executable>>>,
     max_ops: usize,
@@ -85,13 +89,6 @@ impl Deferred {
         }
     }
 
-    /// A lazy storage is being freed: drop it from the outputs.
-    pub(crate) fn forget(&self, device: usize, s: *const Storage) {
-        if let Some(m) = self.lazy.get(device) {
-            lock(m).remove(&(s as usize));
-        }
-    }
-
     /// An op fell back to the CPU: a graph being captured cannot be replayed.
     pub fn note_fallback(&self) {
         for g in &self.graphs {
@@ -116,8 +113,8 @@ struct GraphSources<'a> {
     device: usize,
     inputs: &'a mut Vec<Arc<pjrt::Buffer>>,
     sources: &'a mut Vec<Src>,
-    params: &'a mut HashMap<usize, (Value, DType)>,
-    lazy: &'a Mutex<HashMap<usize, (Value, DType)>>,
+    params: &'a mut HashMap<usize, Pending>,
+    lazy: &'a Mutex<HashMap<usize, Pending>>,
     gen: Option<*mut i64>,
     capturing: bool,
     /// Storages this op added to `params` (removed again if the op fails).
@@ -137,7 +134,7 @@ impl Sources for GraphSources<'_> {
             return Err(Error::runtime("host tensor as storage"));
         };
         let key = p as usize;
-        let pending = lock(self.lazy).get(&key).copied();
+        let pending = lock(self.lazy).get(&key).map(|e| (e.0, e.1));
         if let Some((v, d)) = pending {
             if d == dtype {
                 return Ok(v);
@@ -149,7 +146,7 @@ impl Sources for GraphSources<'_> {
                 "DeferAndFuse cannot reinterpret a pending tensor with another element size; call torch.tpu.synchronize() first",
             ));
         }
-        if let Some((v, d)) = self.params.get(&key) {
+        if let Some((v, d, _)) = self.params.get(&key) {
             if *d == dtype {
                 return Ok(*v);
             }
@@ -160,7 +157,9 @@ impl Sources for GraphSources<'_> {
         let v = b.param(TensorType::new(dtype, &[n]));
         self.inputs.push(buf);
         self.sources.push(Src::Storage(key, dtype));
-        self.params.insert(key, (v, dtype));
+        // SAFETY: alive for the call; the graph's reference keeps its address unique.
+        self.params
+            .insert(key, (v, dtype, unsafe { Storage::share(p) }));
         self.added.push(key);
         Ok(v)
     }
@@ -260,10 +259,11 @@ impl Runtime {
             for v in &low.new {
                 let ty = b.ty(*v).clone();
                 let flat = b.reshape(*v, &[ty.numel()]);
-                let s = Box::new(Storage::new(ty.numel() * ty.dtype.size() as i64, device));
+                let s = Storage::new(ty.numel() * ty.dtype.size() as i64, device);
                 s.mark_lazy();
-                let h = Box::into_raw(s);
-                lazy.insert(h as usize, (flat, ty.dtype));
+                let s = Arc::new(s);
+                let h = Arc::into_raw(s.clone()) as *mut Storage;
+                lazy.insert(h as usize, (flat, ty.dtype, s));
                 new.push(Ret::Tensor {
                     handle: h,
                     dtype: ty.dtype,
@@ -274,7 +274,8 @@ impl Runtime {
             for (path, dtype, v) in &low.writes {
                 let t = tensor_at(params, *path);
                 if let Loc::Device(p) = t.loc {
-                    lazy.insert(p as usize, (*v, *dtype));
+                    // SAFETY: alive for the call (the shim holds the tensor).
+                    lazy.insert(p as usize, (*v, *dtype, unsafe { Storage::share(p) }));
                     // SAFETY: alive for the call (the shim holds the tensor).
                     unsafe { &*p }.mark_lazy();
                 }
@@ -308,8 +309,12 @@ impl Runtime {
             g.capturing = true;
             g.broken = true;
         }
-        let mut entries: Vec<(usize, Value, DType)> =
-            lazy.drain().map(|(k, (v, t))| (k, v, t)).collect();
+        // Storages only the graph still refers to are dead: never written out.
+        let mut entries: Vec<(usize, Value, DType, Arc<Storage>)> = lazy
+            .drain()
+            .filter(|(_, e)| Arc::strong_count(&e.2) > 1)
+            .map(|(k, (v, t, a))| (k, v, t, a))
+            .collect();
         // Output order must not depend on hashing, or the module text (the cache key) would.
         entries.sort_by_key(|e| (e.1, e.0));
         let outs: Vec<Value> = entries.iter().map(|e| e.1).collect();
@@ -347,10 +352,8 @@ impl Runtime {
         self.metrics.flushed(graph.ops, reason);
         let bufs: Vec<Arc<pjrt::Buffer>> = bufs.into_iter().map(Arc::new).collect();
         self.track("deferred graph", &bufs);
-        for ((ptr, _, dtype), buf) in entries.into_iter().zip(bufs) {
-            // SAFETY: entries are removed from `lazy` when their storage is dropped, and we
-            // hold that lock, so every remaining pointer is alive.
-            unsafe { &*(ptr as *const Storage) }.set_flushed(buf, dtype);
+        for ((_, _, dtype, storage), buf) in entries.into_iter().zip(bufs) {
+            storage.set_flushed(buf, dtype);
         }
         Ok(())
     }
@@ -430,8 +433,8 @@ impl Runtime {
             let key = p as usize;
             let flat = match lazy
                 .get(&key)
-                .copied()
-                .or_else(|| graph.params.get(&key).copied())
+                .map(|e| (e.0, e.1))
+                .or_else(|| graph.params.get(&key).map(|e| (e.0, e.1)))
             {
                 Some((v, dt)) if dt == dtype => v,
                 _ => {
@@ -450,10 +453,21 @@ impl Runtime {
         }
         // Inputs the graph wrote (in-place updates), then any other live pending value.
         let mut input_writes = Vec::new();
-        let mut rest: Vec<(usize, Value, DType)> = Vec::new();
-        let mut entries: Vec<(usize, (Value, DType))> = lazy.drain().collect();
+        let mut rest: Vec<(Value, DType, Arc<Storage>)> = Vec::new();
+        let mut entries: Vec<(usize, Pending)> = lazy
+            .drain()
+            .filter(|(_, e)| Arc::strong_count(&e.2) > 1)
+            .collect();
         entries.sort_by_key(|e| (e.1 .0, e.0));
-        for (key, (v, dt)) in entries {
+        for (key, (v, dt, storage)) in entries {
+            if outputs
+                .iter()
+                .any(|t| matches!(t.loc, Loc::Device(p) if p as usize == key))
+            {
+                // Delivered as a new output; the traced tensor itself is discarded.
+                storage.clear_lazy();
+                continue;
+            }
             match inputs
                 .iter()
                 .position(|t| matches!(t.loc, Loc::Device(p) if p as usize == key))
@@ -462,10 +476,10 @@ impl Runtime {
                     results.push(v);
                     input_writes.push((i, dt));
                 }
-                None => rest.push((key, v, dt)),
+                None => rest.push((v, dt, storage)),
             }
         }
-        for (_, v, _) in &rest {
+        for (v, _, _) in &rest {
             results.push(*v);
         }
         let mlir = b.finish(&results);
@@ -508,8 +522,8 @@ impl Runtime {
         let mut handles = Vec::new();
         for (dtype, sizes) in &out_meta {
             let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
-            let s = Box::new(Storage::with_buffer(buf, *dtype, device));
-            handles.push((Box::into_raw(s), *dtype, sizes.clone()));
+            let s = Storage::with_buffer(buf, *dtype, device);
+            handles.push((s.into_handle(), *dtype, sizes.clone()));
         }
         for (i, dt) in &input_writes {
             let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
@@ -518,9 +532,8 @@ impl Runtime {
                 unsafe { &*p }.set_flushed(buf, *dt);
             }
         }
-        for ((key, _, dt), buf) in rest.iter().zip(it) {
-            // SAFETY: still in the lazy map until now, so alive (we hold its lock).
-            unsafe { &*(*key as *const Storage) }.set_flushed(buf, *dt);
+        for ((_, dt, storage), buf) in rest.iter().zip(it) {
+            storage.set_flushed(buf, *dt);
         }
         Ok(Some((
             Captured {
@@ -582,8 +595,8 @@ impl Runtime {
         let mut handles = Vec::new();
         for (dtype, sizes) in &c.outputs {
             let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
-            let s = Box::new(Storage::with_buffer(buf, *dtype, c.device));
-            handles.push((Box::into_raw(s), *dtype, sizes.clone()));
+            let s = Storage::with_buffer(buf, *dtype, c.device);
+            handles.push((s.into_handle(), *dtype, sizes.clone()));
         }
         for (i, dt) in &c.input_writes {
             let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;

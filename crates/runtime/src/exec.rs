@@ -72,7 +72,7 @@ pub struct Param {
 
 #[derive(Debug)]
 pub enum Ret {
-    /// A new tensor; the handle is a `Box<Storage>` the caller now owns.
+    /// A new tensor; the handle holds one reference (`Storage::into_handle`) the caller now owns.
     Tensor {
         handle: *mut Storage,
         dtype: DType,
@@ -904,9 +904,9 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
         match o {
             Output::New { dtype, sizes } => {
                 let dev = buf.device();
-                let s = Box::new(Storage::with_buffer(buf, *dtype, dev));
+                let s = Storage::with_buffer(buf, *dtype, dev);
                 new.push(Ret::Tensor {
-                    handle: Box::into_raw(s),
+                    handle: s.into_handle(),
                     dtype: *dtype,
                     sizes: sizes.clone(),
                     device: dev,

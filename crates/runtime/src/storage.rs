@@ -45,6 +45,32 @@ impl Storage {
         }
     }
 
+    /// Hands the storage to PyTorch: the handle a DataPtr holds (one reference).
+    pub fn into_handle(self) -> *mut Storage {
+        Arc::into_raw(Arc::new(self)) as *mut Storage
+    }
+
+    /// Takes back the reference a handle holds.
+    ///
+    /// # Safety
+    /// `h` comes from `into_handle` and its reference was not taken back before.
+    pub unsafe fn from_handle(h: *const Storage) -> Arc<Storage> {
+        // SAFETY: per the contract, `h` is an `Arc::into_raw` pointer with a live reference.
+        unsafe { Arc::from_raw(h) }
+    }
+
+    /// A new reference to a live handle's storage (the handle keeps its own).
+    ///
+    /// # Safety
+    /// `h` comes from `into_handle` and is still alive.
+    pub unsafe fn share(h: *const Storage) -> Arc<Storage> {
+        // SAFETY: per the contract; the count goes up before the new Arc is made.
+        unsafe {
+            Arc::increment_strong_count(h);
+            Arc::from_raw(h)
+        }
+    }
+
     pub fn is_lazy(&self) -> bool {
         self.lazy.load(Ordering::Acquire)
     }
@@ -59,6 +85,11 @@ impl Storage {
             crate::get()?.flush(self.device, "read")?;
         }
         Ok(())
+    }
+
+    /// Drops the pending mark of a traced value that nobody will read.
+    pub(crate) fn clear_lazy(&self) {
+        self.lazy.store(false, Ordering::Release);
     }
 
     /// Stores a flushed graph's output (the graph holds its lock).
@@ -153,16 +184,5 @@ impl Storage {
         let mut bytes = self.bytes(rt)?;
         bytes.resize(nbytes as usize, 0);
         self.set_bytes(rt, &bytes)
-    }
-}
-
-impl Drop for Storage {
-    fn drop(&mut self) {
-        if self.is_lazy() {
-            // Its pending value is no longer needed: never written out.
-            if let Ok(rt) = crate::get() {
-                rt.defer.forget(self.device, self as *const Storage);
-            }
-        }
     }
 }

@@ -67,7 +67,7 @@ fn deliver(handles: Handles, outs: &[usize]) -> PyResult<()> {
     if handles.len() != outs.len() {
         for (h, _, _) in handles {
             // SAFETY: fresh boxes nobody else owns.
-            drop(unsafe { Box::from_raw(h) });
+            drop(unsafe { Storage::from_handle(h) });
         }
         return Err(PyRuntimeError::new_err(
             "compiled graph: output count mismatch",
@@ -75,7 +75,7 @@ fn deliver(handles: Handles, outs: &[usize]) -> PyResult<()> {
     }
     for ((h, dtype, _), out) in handles.into_iter().zip(outs) {
         // SAFETY: `h` is a fresh box; `out` is the live storage of a tensor Python holds.
-        let src = unsafe { Box::from_raw(h) };
+        let src = unsafe { Storage::from_handle(h) };
         let dst = unsafe { &*(*out as *const Storage) };
         if let Some((buf, _)) = src.current().map_err(err)? {
             dst.set(buf, dtype).map_err(err)?;

@@ -164,8 +164,8 @@ pub unsafe extern "C" fn tpu_rs_dispatch(
                 }
                 if let Err(e) = res {
                     for h in owned {
-                        // SAFETY: fresh handles not yet handed to the shim.
-                        drop(unsafe { Box::from_raw(h) });
+                        // SAFETY: fresh handles (one reference each) not yet handed to the shim.
+                        drop(unsafe { Storage::from_handle(h) });
                     }
                     return Err(e);
                 }
@@ -179,7 +179,7 @@ pub unsafe extern "C" fn tpu_rs_dispatch(
 
 #[no_mangle]
 pub extern "C" fn tpu_rs_storage_new(nbytes: i64, device_index: i32) -> *mut c_void {
-    Box::into_raw(Box::new(Storage::new(nbytes, device_index.max(0) as usize))) as *mut c_void
+    Storage::new(nbytes, device_index.max(0) as usize).into_handle() as *mut c_void
 }
 
 /// # Safety
@@ -190,8 +190,8 @@ pub unsafe extern "C" fn tpu_rs_storage_free(handle: *mut c_void) {
         return;
     }
     let _ = catch_unwind(AssertUnwindSafe(|| {
-        // SAFETY: the handle is a Box<Storage> freed exactly once (DataPtr deleter).
-        drop(unsafe { Box::from_raw(handle as *mut Storage) });
+        // SAFETY: the handle holds one reference, released exactly once (DataPtr deleter).
+        drop(unsafe { Storage::from_handle(handle as *const Storage) });
     }));
 }
 

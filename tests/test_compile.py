@@ -1,0 +1,628 @@
+"""``torch.compile(backend="tpu")`` and ``torch_pjrt.export_stablehlo`` against PyTorch CPU eager.
+
+Models (small, so the file runs in well under 3 minutes on 2 cores): an MLP 784-128-128-10,
+bench/models.py's GPT (examples/train_gpt.py's model, 2 layers, d_model 32) and a ResNet-style
+CNN (conv-bn-relu stem, 2 residual blocks, adaptive average pool, linear), the CNN in train and
+eval mode. The compiled model runs on tpu, the same model uncompiled on the CPU is the oracle:
+forward, gradients, and 10 optimizer steps (SGD with momentum, AdamW) whose losses must agree
+within 1e-4 relative at every step. Most tests run in both eager modes the surrounding code
+may use (Strict, the default, and DeferAndFuse): the compiled graphs are captured the same way
+in either, but the eager code around them (optimizer, loss, AOTAutograd's glue) differs.
+"""
+
+import copy
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch._dynamo
+import torch.nn as nn
+import torch.nn.functional as F
+from conftest import assert_close, fallbacks, to_cpu
+
+import torch_pjrt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import models  # noqa: E402  (bench/models.py: the GPT of examples/train_gpt.py)
+
+STEPS = 10
+WARMUP = 3
+RTOL = 1e-4
+
+MODES = {
+    "strict": torch.tpu.EagerMode.DEFER_NEVER,
+    "defer": torch.tpu.EagerMode.DEFER_AND_FUSE,
+}
+
+
+@pytest.fixture(params=list(MODES))
+def mode(request):
+    """The eager mode around the compiled calls."""
+    with torch.tpu.set_eager_mode(MODES[request.param]):
+        yield request.param
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    """Each test compiles from scratch and counts from zero."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()  # metrics()["compile"]["dynamo_graph_breaks"]
+    torch_pjrt.reset_metrics()
+    yield
+    torch._dynamo.reset()
+
+
+def compile_counters():
+    return torch_pjrt.metrics()["compile"]
+
+
+# ---------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(784, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 10)
+        )
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class ResBlock(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+class CNN(nn.Module):
+    def __init__(self, c=8, classes=10):
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
+        self.blocks = nn.Sequential(ResBlock(c), ResBlock(c))
+        self.fc = nn.Linear(c, classes)
+
+    def forward(self, x):
+        x = self.blocks(self.stem(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+
+VOCAB, SEQ = 32, 16
+
+
+def gpt():
+    return models.GPT(VOCAB, d_model=32, n_heads=2, n_layers=2, seq_len=SEQ)
+
+
+def make(name, seed=0):
+    """(model, inputs, targets, loss_fn) on the CPU, deterministic."""
+    g = torch.Generator().manual_seed(seed + 1)
+    torch.manual_seed(seed)
+    if name == "mlp":
+        model = MLP()
+        x = torch.randn(16, 784, generator=g)
+        y = torch.randint(0, 10, (16,), generator=g)
+    elif name.startswith("cnn"):
+        model = CNN()
+        if name == "cnn_eval":
+            # Non-trivial running statistics for eval mode.
+            with torch.no_grad():
+                for m in model.modules():
+                    if isinstance(m, nn.BatchNorm2d):
+                        m.running_mean.uniform_(-0.5, 0.5, generator=g)
+                        m.running_var.uniform_(0.5, 1.5, generator=g)
+            model.eval()
+        x = torch.randn(4, 3, 12, 12, generator=g)
+        y = torch.randint(0, 10, (4,), generator=g)
+    elif name == "gpt":
+        model = gpt()
+        x = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+        y = torch.randint(0, VOCAB, (2, SEQ), generator=g)
+    else:
+        raise ValueError(name)
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+    return model, x, y, loss_fn
+
+
+def pair(name, seed=0, **compile_kw):
+    """CPU model and its compiled tpu copy (same weights), inputs on both devices."""
+    model, x, y, loss_fn = make(name, seed)
+    tpu_model = copy.deepcopy(model).to("tpu")
+    compiled = torch.compile(tpu_model, backend="tpu", **compile_kw)
+    return model, tpu_model, compiled, (x, y), (x.to("tpu"), y.to("tpu")), loss_fn
+
+
+def assert_state_close(tpu_model, cpu_model, grads=True, atol=1e-5, rtol=1e-4):
+    """Parameters, buffers (BatchNorm running stats) and, with grads, gradients agree."""
+    params = zip(tpu_model.named_parameters(), cpu_model.named_parameters(), strict=True)
+    for (n, p), (_, q) in params:
+        assert_close(p, q.detach(), atol=atol, rtol=rtol, msg=f"parameter {n} differs")
+        if grads:
+            assert (p.grad is None) == (q.grad is None), n
+            if q.grad is not None:
+                assert_close(p.grad, q.grad, atol=atol, rtol=rtol, msg=f"{n}.grad differs")
+    for (n, b), (_, c) in zip(tpu_model.named_buffers(), cpu_model.named_buffers(), strict=True):
+        assert_close(b, c, atol=atol, rtol=rtol, msg=f"buffer {n} differs")
+
+
+def assert_captured():
+    """Every graph was captured whole (none fell back to running op by op)."""
+    c = compile_counters()
+    assert c.get("compiled_graphs", 0) > 0, c
+    assert not c.get("graph_breaks", 0), f"a graph could not be captured: {c}; fallbacks {fallbacks()}"
+    assert not c.get("eager_graphs", 0), c
+
+
+# The models in both eager modes; the GPT in the default one only (it is the slowest).
+MODEL_MODES = [
+    ("mlp", "strict"), ("mlp", "defer"),
+    ("cnn_train", "strict"), ("cnn_train", "defer"),
+    ("cnn_eval", "strict"), ("cnn_eval", "defer"),
+    ("gpt", "strict"),
+]
+
+
+@pytest.fixture
+def model_mode(request):
+    name, m = request.param
+    with torch.tpu.set_eager_mode(MODES[m]):
+        yield name
+
+
+# ---------------------------------------------------------------------------
+# Forward and backward
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_mode", MODEL_MODES, indirect=True, ids=lambda p: "-".join(p))
+def test_forward_backward(model_mode):
+    cpu_model, tpu_model, compiled, (x, y), (xt, yt), loss_fn = pair(model_mode)
+    out = cpu_model(x)
+    loss = loss_fn(out, y)
+    loss.backward()
+    out_t = compiled(xt)
+    loss_t = loss_fn(out_t, yt)
+    loss_t.backward()
+    assert out_t.device.type == "tpu"
+    assert_close(out_t, out.detach(), atol=1e-5, rtol=1e-4)
+    assert_close(loss_t, loss.detach(), atol=0, rtol=RTOL)
+    assert_state_close(tpu_model, cpu_model)
+    assert_captured()
+    assert not fallbacks(), fallbacks()
+
+
+# ---------------------------------------------------------------------------
+# Training: compiled model, eager optimizer
+# ---------------------------------------------------------------------------
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+TRAIN_CASES = [
+    ("mlp", "strict", "sgd"), ("mlp", "strict", "adamw"),
+    ("mlp", "defer", "sgd"), ("mlp", "defer", "adamw"),
+    ("cnn_train", "strict", "sgd"), ("cnn_train", "strict", "adamw"),
+    ("cnn_train", "defer", "sgd"), ("cnn_train", "defer", "adamw"),
+    ("gpt", "strict", "adamw"), ("gpt", "defer", "sgd"),
+]
+
+
+@pytest.mark.parametrize("name,m,opt_name", TRAIN_CASES, ids=["-".join(c) for c in TRAIN_CASES])
+def test_training_steps(name, m, opt_name):
+    make_opt = {"sgd": sgd, "adamw": adamw}[opt_name]
+    cpu_model, tpu_model, compiled, (x, y), (xt, yt), loss_fn = pair(name)
+    opt, opt_t = make_opt(cpu_model.parameters()), make_opt(tpu_model.parameters())
+    compilations = []
+    with torch.tpu.set_eager_mode(MODES[m]):
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(cpu_model(x), y)
+            loss.backward()
+            opt.step()
+            opt_t.zero_grad(set_to_none=True)
+            loss_t = loss_fn(compiled(xt), yt)
+            loss_t.backward()
+            opt_t.step()
+            a, b = loss.item(), loss_t.item()
+            assert math.isclose(b, a, rel_tol=RTOL), f"step {step}: tpu loss {b}, CPU loss {a}"
+            compilations.append(torch_pjrt.metrics()["compilations"])
+    assert_state_close(tpu_model, cpu_model, grads=False, atol=1e-4, rtol=1e-3)
+    assert_captured()
+    c = compile_counters()
+    # Forward and backward graphs, each captured once; later steps replay them.
+    assert c["compiled_graphs"] <= 2, c
+    assert not c.get("recompilations", 0), c
+    after_warmup = compilations[WARMUP - 1:]
+    assert after_warmup == [after_warmup[0]] * len(after_warmup), (
+        f"XLA compilations per step after warm-up: {compilations}"
+    )
+    assert not fallbacks(), fallbacks()
+
+
+def test_replay_compiles_nothing(mode):
+    """The second and later calls replay: no capture, no XLA compilation, same results."""
+    cpu_model, tpu_model, compiled, (x, y), (xt, yt), loss_fn = pair("mlp")
+    with torch.no_grad():
+        compiled(xt)
+    m0 = torch_pjrt.metrics()
+    assert m0["compile"]["compiled_graphs"] == 1
+    for seed in range(3):
+        x2 = torch.randn(16, 784, generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            out = compiled(x2.to("tpu"))
+        assert_close(out, cpu_model(x2).detach(), atol=1e-5, rtol=1e-4)
+    m1 = torch_pjrt.metrics()
+    assert m1["compile"]["compiled_graphs"] == 1, m1["compile"]
+    assert m1["compilations"] == m0["compilations"], (m0["compilations"], m1["compilations"])
+
+
+def test_boxed_calling_convention():
+    """Forward and backward graphs take AOTAutograd's boxed (list) arguments: no warning."""
+    import warnings
+
+    w = torch.randn(4, 3).to("tpu").requires_grad_()
+    cf = torch.compile(lambda x: (x @ w).tanh().sum(), backend="tpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cf(torch.randn(2, 4).to("tpu")).backward()
+    assert not [m for m in caught if "boxed" in str(m.message)], [str(m.message) for m in caught]
+    assert compile_counters()["compiled_graphs"] == 2
+
+
+# ---------------------------------------------------------------------------
+# A whole training step inside the compiled function
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+def test_compiled_train_step(opt_name, mode):
+    """forward + backward + opt.step() in one compiled function. Dynamo breaks the graph at
+    ``loss.backward()``; the pieces (forward, AOTAutograd's backward, the optimizer update)
+    are compiled separately and the result must still be right."""
+    make_opt = {"sgd": sgd, "adamw": adamw}[opt_name]
+    cpu_model, x, y, loss_fn = make("mlp")
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    xt, yt = x.to("tpu"), y.to("tpu")
+
+    def make_step(model):
+        opt = make_opt(model.parameters())
+
+        def step(x, y):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        return step
+
+    step, step_t = make_step(cpu_model), torch.compile(make_step(tpu_model), backend="tpu")
+    for i in range(STEPS):
+        a, b = step(x, y).item(), step_t(xt, yt).item()
+        assert math.isclose(b, a, rel_tol=RTOL), f"step {i}: tpu loss {b}, CPU loss {a}"
+    assert_state_close(tpu_model, cpu_model, grads=False, atol=1e-4, rtol=1e-3)
+    assert compile_counters()["compiled_graphs"] > 0
+    assert not fallbacks(), fallbacks()
+
+
+# ---------------------------------------------------------------------------
+# Graph breaks, ops without a lowering
+# ---------------------------------------------------------------------------
+
+
+class Broken(nn.Module):
+    """A graph break in the middle of forward (Dynamo splits it into two graphs)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.how = how
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        if self.how == "graph_break":
+            torch._dynamo.graph_break()
+        else:
+            print("graph break:", tuple(h.shape))
+        return self.b(h * 2)
+
+
+@pytest.mark.parametrize("how", ["graph_break", "print"])
+def test_graph_break(how, mode, capsys):
+    torch.manual_seed(0)
+    cpu_model = Broken(how)
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    compiled = torch.compile(tpu_model, backend="tpu")
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        out = cpu_model(x)
+        out.square().sum().backward()
+        out_t = compiled(x.to("tpu"))
+        out_t.square().sum().backward()
+        assert_close(out_t, out.detach(), atol=1e-5, rtol=1e-4)
+    assert_state_close(tpu_model, cpu_model)
+    c = compile_counters()
+    assert c["dynamo_graph_breaks"] > 0, c
+    # Both pieces, forward and backward each.
+    assert c["compiled_graphs"] >= 4, c
+    assert not c.get("graph_breaks", 0), c
+    if how == "print":
+        assert "graph break: (8, 32)" in capsys.readouterr().out
+
+
+# Ops that are (today) not lowered and that AOTAutograd does not decompose; the test
+# takes the first one still without a lowering rule.
+UNLOWERED = [
+    ("aten::special_bessel_j0", torch.special.bessel_j0),
+    ("aten::special_airy_ai", torch.special.airy_ai),
+    ("aten::special_scaled_modified_bessel_k0", torch.special.scaled_modified_bessel_k0),
+    ("aten::_linalg_eigh", lambda h: torch.linalg.eigvalsh(h @ h.T)),
+]
+
+
+def unlowered_op():
+    lowered = set(torch_pjrt.lowered_ops())
+    for name, fn in UNLOWERED:
+        if name not in lowered:
+            return name, fn
+    pytest.skip("every candidate op has a lowering now; add another to UNLOWERED")
+
+
+def test_unlowered_op_in_graph(mode):
+    """An op without a lowering inside a graph falls back to the CPU; the graph cannot be
+    captured as one program, so it runs op by op (counted), and results stay right."""
+    name, op = unlowered_op()
+
+    def f(x, w):
+        h = torch.relu(x @ w)
+        return op(h).sum() + h.mean(dim=1)
+
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g)
+    cf = torch.compile(f, backend="tpu")
+    for _ in range(3):
+        assert_close(cf(x.to("tpu"), w.to("tpu")), f(x, w), atol=1e-5, rtol=1e-4)
+    c = compile_counters()
+    assert c.get("graph_breaks", 0) >= 1, c
+    assert c.get("eager_graph_calls", 0) >= 2, c
+    fb = fallbacks()
+    assert fb.get(name, 0) >= 3, fb
+
+
+# ---------------------------------------------------------------------------
+# Dynamic shapes
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
+def test_dynamic_sequence_length(how, record_property):
+    """One Dynamo graph for every sequence length (dynamic=True / mark_dynamic); this
+    backend compiles one XLA program per distinct shape, so the programs are bounded by
+    (forward + backward) x distinct lengths."""
+    torch.manual_seed(0)
+    cpu_model = gpt()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    compiled = torch.compile(tpu_model, backend="tpu", dynamic=True if how == "dynamic" else None)
+    lengths = [6, 11, 9, 11, 6]
+    g = torch.Generator().manual_seed(1)
+    for t in lengths:
+        x = torch.randint(0, VOCAB, (2, t), generator=g)
+        y = torch.randint(0, VOCAB, (2, t), generator=g)
+        xt = x.to("tpu")
+        if how == "mark_dynamic":
+            torch._dynamo.mark_dynamic(xt, 1)
+        cpu_model.zero_grad(set_to_none=True)
+        tpu_model.zero_grad(set_to_none=True)
+        loss = cpu_model.loss(x, y)
+        loss.backward()
+        logits = compiled(xt)
+        loss_t = F.cross_entropy(logits.reshape(-1, VOCAB), y.to("tpu").reshape(-1))
+        loss_t.backward()
+        assert_close(logits, cpu_model(x).detach(), atol=1e-5, rtol=1e-4)
+        assert math.isclose(loss_t.item(), loss.item(), rel_tol=RTOL)
+        assert_state_close(tpu_model, cpu_model)
+    c = compile_counters()
+    distinct = len(set(lengths))
+    record_property("compiled_programs", c["compiled_graphs"])
+    record_property("distinct_lengths", distinct)
+    assert c["dynamo_graph_breaks"] == 0, c
+    assert 0 < c["compiled_graphs"] <= 2 * distinct, c
+    assert not c.get("graph_breaks", 0), c
+
+
+# ---------------------------------------------------------------------------
+# mode= and options=
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("compile_mode", ["default", "reduce-overhead"])
+def test_mode_accepted(compile_mode):
+    def f(x):
+        return torch.sin(x) * 2 + 1
+
+    x = torch.randn(5)
+    cf = torch.compile(f, backend="tpu", mode=compile_mode)
+    assert_close(cf(x.to("tpu")), f(x))
+    assert compile_counters()["compiled_graphs"] == 1
+
+
+def test_dump_option(capsys):
+    cf = torch.compile(lambda x: x * 3, backend="tpu", options={"dump_stablehlo": True})
+    cf(torch.ones(3, device="tpu"))
+    assert "stablehlo.multiply" in capsys.readouterr().out
+
+
+def test_core_decompositions_option():
+    """options={"decompositions": "core"}: PyTorch's core decompositions for ops without a
+    lowering; same results."""
+    cpu_model, tpu_model, compiled, (x, y), (xt, yt), loss_fn = pair(
+        "cnn_train", options={"decompositions": "core"})
+    loss_fn(cpu_model(x), y).backward()
+    loss_fn(compiled(xt), yt).backward()
+    assert_state_close(tpu_model, cpu_model)
+    assert_captured()
+
+
+@pytest.mark.parametrize("kw", [{"options": {"no_such_option": 1}}, {"mode": "no-such-mode"},
+                                {"options": {"decompositions": "no-such"}}],
+                         ids=["options", "mode", "decompositions"])
+def test_bad_option_raises_value_error(kw):
+    cf = torch.compile(lambda x: x + 1, backend="tpu", **kw)
+    with pytest.raises(ValueError, match="no.such"):
+        cf(torch.ones(3, device="tpu"))
+
+
+def test_fullgraph_untraceable_raises():
+    def f(x):
+        if x.sum() > 0:  # data-dependent control flow: Dynamo must break the graph here
+            return x + 1
+        return x - 1
+
+    cf = torch.compile(f, backend="tpu", fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        cf(torch.ones(3, device="tpu"))
+    # Without fullgraph, the same function runs (in pieces) and is right.
+    torch._dynamo.reset()
+    cf = torch.compile(f, backend="tpu")
+    for sign in (1, -1):
+        x = torch.full((3,), float(sign))
+        assert_close(cf(x.to("tpu")), f(x))
+
+
+# ---------------------------------------------------------------------------
+# Inputs the programs see
+# ---------------------------------------------------------------------------
+
+
+def test_views_and_aliased_inputs(mode):
+    """Inputs that are views of bigger storages, and two inputs sharing one storage: a
+    program captured for one layout must not be replayed on another."""
+
+    def f(a, b):
+        return a * 2 + b
+
+    cf = torch.compile(f, backend="tpu", dynamic=False)
+    g = torch.Generator().manual_seed(0)
+    tb, u, v = (torch.randn(6, 8, generator=g).to("tpu") for _ in range(3))
+    # Same shapes, strides and offsets, different storage sizes / aliasing each call.
+    cases = [
+        (tb[:3], tb[3:]),                      # both views of one storage
+        (u[:3], v[3:]),                        # the same views of two storages
+        (tb[:3].clone(), tb[3:].clone()),      # separate storages
+        (tb[:3], tb[:3]),                      # the same tensor twice
+        (u[:3], u[:3].clone()),
+        (torch.cat([tb, tb])[:3], tb[3:]),     # a view of a bigger storage
+    ]
+    for a, b in cases:
+        assert_close(cf(a, b), f(to_cpu(a), to_cpu(b)))
+
+
+# ---------------------------------------------------------------------------
+# export_stablehlo
+# ---------------------------------------------------------------------------
+
+
+def run_exported(text, device=0):
+    """Runs the last export's program through the PJRT plugin directly; returns its results."""
+    from torch_pjrt.compile import _DTYPE, export_signature
+
+    params, results = export_signature()
+    assert all(p is not None for p in params), "the program reads values fixed at export"
+    ins = [(p.untyped_storage().data_ptr(), _DTYPE[p.dtype]) for p in params]
+    outs = [torch.empty(r.shape, dtype=r.dtype, device="tpu") if isinstance(r, torch.Tensor)
+            else torch.empty(r[1], dtype=r[0], device="tpu") for r in results]
+    torch_pjrt._C.run_mlir(text, device, ins, [(o.untyped_storage().data_ptr(), _DTYPE[o.dtype]) for o in outs])
+    return outs
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.register_buffer("scale", torch.tensor([1.0, 2.0, 3.0, 4.0]))
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * self.scale, x.sum(dim=0)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_export_stablehlo_module(mode, grad):
+    torch.manual_seed(0)
+    m = Small()
+    mt = copy.deepcopy(m).to("tpu")
+    x = torch.randn(3, 8)
+    with torch.set_grad_enabled(grad):
+        text = torch_pjrt.export_stablehlo(mt, x.to("tpu"))
+    assert text.startswith("module") and "func.func public @main" in text
+    assert "stablehlo.tanh" in text and "stablehlo.dot_general" in text
+    from torch_pjrt.compile import _last_export, export_signature
+
+    pid = _last_export[0]
+    order = torch_pjrt._C.captured_inputs(pid)
+    params, results = export_signature()
+    # Every parameter is the input, a weight or the buffer; each read once.
+    assert sorted(order) == list(range(len(order))) and len(order) == 4, order
+    # The program's results, run directly, and the export run's own results agree with eager.
+    with torch.no_grad():
+        want = m(x)
+    outs = run_exported(text)
+    for got in (outs[:2], results[:2]):
+        assert_close(got[0], want[0], atol=1e-6, rtol=1e-5)
+        assert_close(got[1], want[1], atol=1e-6, rtol=1e-5)
+    # Run again on new inputs: the program reads the storages it is given.
+    x2 = torch.randn(3, 8)
+    params[order.index(0)].copy_(x2.to("tpu"))
+    with torch.no_grad():
+        want2 = m(x2)
+    outs = run_exported(text)
+    assert_close(outs[0], want2[0], atol=1e-6, rtol=1e-5)
+    assert_close(outs[1], want2[1], atol=1e-6, rtol=1e-5)
+
+
+def test_export_stablehlo_function(mode):
+    def f(a, b):
+        return (a @ b).relu().sum(dim=-1), torch.where(a > 0, a, b[:, :2].t())
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(2, 3, generator=g), torch.randn(3, 2, generator=g)
+    text = torch_pjrt.export_stablehlo(f, a.to("tpu"), b.to("tpu"))
+    outs = run_exported(text)
+    want = f(a, b)
+    assert_close(outs[0], want[0], atol=1e-6, rtol=1e-5)
+    assert_close(outs[1], want[1])
+
+
+def test_export_stablehlo_rejects_cpu_inputs():
+    with pytest.raises(ValueError, match="tpu"):
+        torch_pjrt.export_stablehlo(lambda x: x + 1, torch.ones(3))
+
+
+def test_export_result_types():
+    from torch_pjrt.compile import _result_types
+
+    text = "func.func public @main(%v0: tensor<24xf32>) -> (tensor<24xf32>, tensor<i64>, tensor<2x3xi1>) {"
+    assert _result_types(text) == [(torch.float32, [24]), (torch.int64, []), (torch.bool, [2, 3])]
+    text = "func.func public @main(%v0: tensor<4xbf16>) -> tensor<4xbf16> {"
+    assert _result_types(text) == [(torch.bfloat16, [4])]
