@@ -9,7 +9,16 @@ import site
 import sys
 import types
 
-import torch
+
+def _autoload():
+    """Entry point for ``torch.backends`` autoloading: importing the package is enough.
+
+    Defined before ``import torch``: importing torch autoloads this entry point while this
+    module is still initializing.
+    """
+
+
+import torch  # noqa: E402
 
 from . import _C
 
@@ -94,10 +103,6 @@ _register()
 
 from . import compile as _compile  # noqa: E402  (registers the "tpu" Dynamo backend)
 from .compile import export_stablehlo  # noqa: E402
-
-
-def _autoload():
-    """Entry point for ``torch.backends`` autoloading: importing the package is enough."""
 
 
 def metrics():

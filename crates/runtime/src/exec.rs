@@ -322,16 +322,6 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
     let wrapped = wrap_scalars(op, params, &mut store);
     let params = wrapped.as_deref().unwrap_or(params);
     let var = variant(op, params);
-    // Mutated arguments other than out=/self are not modelled by the rules.
-    let odd_write = params
-        .iter()
-        .enumerate()
-        .any(|(i, p)| p.is_write && !p.is_out && !(var == Variant::Inplace && i == 0));
-    if odd_write {
-        return Ok(Outcome::Declined(format!(
-            "{op} mutates an argument the rules do not model"
-        )));
-    }
     for p in params {
         if let RArg::Other(what) = &p.arg {
             return Ok(Outcome::Declined(format!(
@@ -569,6 +559,20 @@ pub(crate) fn lower_into(
     let rng_used = ctx.rng_state.is_some();
     let rng_consumed = ctx.rng_consumed;
     let extra_writes = std::mem::take(&mut ctx.writes);
+    // Arguments the schema marks mutated (other than out=/self) must be written by the rule.
+    let unmodelled = params.iter().enumerate().find(|(i, p)| {
+        p.is_write
+            && !p.is_out
+            && !(var == Variant::Inplace && *i == 0)
+            && !matches!(p.arg, RArg::None)
+            && !extra_writes.iter().any(|(n, _)| *n == p.name)
+    });
+    if let Some((_, p)) = unmodelled {
+        return Ok(LowerOutcome::Declined(format!(
+            "{op} mutates '{}', which its rule does not write",
+            p.name
+        )));
+    }
     if rng_used {
         src.rng(gen_path, rng_consumed)?;
     }
