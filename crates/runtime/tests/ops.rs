@@ -40,7 +40,7 @@ fn run(op: &str, params: &[Param]) -> Vec<f32> {
         Outcome::Done(rets) => match &rets[0] {
             Ret::Tensor { handle, .. } => {
                 // SAFETY: a fresh storage handed to us.
-                let s = unsafe { Box::from_raw(*handle) };
+                let s = unsafe { runtime::Storage::from_handle(*handle) };
                 let bytes = s.bytes(rt).unwrap();
                 bytes
                     .chunks(4)
