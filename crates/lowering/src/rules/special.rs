@@ -3,8 +3,8 @@
 //! logit/xlogy, float bit tricks (signbit, copysign, nextafter), integer shifts and
 //! gcd/lcm, shrinkage activations, glu and prelu (with their backward ops).
 
-use super::{promote, same};
-use crate::promote::{to_float, torch_name};
+use super::{common, opnd, promote, same};
+use crate::promote::{can_cast, to_float, torch_name};
 use crate::shape::wrap_dim;
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, Value};
 use stablehlo::{CmpDir, ReduceKind};
@@ -371,14 +371,20 @@ fn zeta(b: &mut Builder, x: Value, q: Value) -> Value {
     let nx = b.neg(x);
     let s0 = b.binary("stablehlo.power", q, nx);
     let i0 = b.constant(DType::I32, 0.0);
-    let ninf = cmp_k(b, q, f64::NEG_INFINITY, CmpDir::Ne);
+    // Poles (q = 0, -1, ..., -inf) are answered below; their lanes must not loop (a huge
+    // negative q would never pass 9).
+    let fq = b.floor(q);
+    let qint = b.compare(q, fq, CmpDir::Eq);
+    let qle = cmp_k(b, q, 0.0, CmpDir::Le);
+    let pole = b.and(qle, qint);
+    let looping = b.not(pole);
     let out = b.while_loop(
         &[i0, q, s0],
         |b, st| {
             let nine = b.constant(DType::I32, 9.0);
             let few = b.compare(st[0], nine, CmpDir::Lt);
             let low = cmp_k(b, st[1], 9.0, CmpDir::Le);
-            let low = b.and(low, ninf);
+            let low = b.and(low, looping);
             let low = any(b, low);
             b.or(few, low)
         },
@@ -389,7 +395,7 @@ fn zeta(b: &mut Builder, x: Value, q: Value) -> Value {
             let few = b.compare(st[0], nine, CmpDir::Lt);
             let few = b.broadcast_in_dim(few, &b.shape(st[1]), &[]);
             let low = cmp_k(b, st[1], 9.0, CmpDir::Le);
-            let low = b.and(low, ninf);
+            let low = b.and(low, looping);
             let go = b.or(few, low);
             let a1 = add_k(b, st[1], 1.0);
             let a = b.select(go, a1, st[1]);
@@ -427,15 +433,11 @@ fn zeta(b: &mut Builder, x: Value, q: Value) -> Value {
         s = b.add(s, t);
     }
     // Domain, in PyTorch's order of checks.
-    let fq = b.floor(q);
-    let qint = b.compare(q, fq, CmpDir::Eq);
     let fx = b.floor(x);
     let xfrac = b.compare(x, fx, CmpDir::Ne);
     let qneg = cmp_k(b, q, 0.0, CmpDir::Lt);
     let dom = b.and(qneg, xfrac);
     s = select_k(b, dom, f64::NAN, s);
-    let qle = cmp_k(b, q, 0.0, CmpDir::Le);
-    let pole = b.and(qle, qint);
     s = select_k(b, pole, f64::INFINITY, s);
     let xlt = cmp_k(b, x, 1.0, CmpDir::Lt);
     s = select_k(b, xlt, f64::NAN, s);
@@ -960,16 +962,14 @@ fn poly(c: &mut Ctx, kind: Poly) -> LResult<Vec<Out>> {
 }
 
 fn poly_values(b: &mut Builder, kind: Poly, x: Value, n: Value) -> Value {
-    // n as PyTorch's int64 cast of it; infinities and NaN act as a negative degree.
-    let fin = b.op(
-        "stablehlo.is_finite",
-        &[n],
-        "",
-        b.ty(n).with_dtype(DType::Bool),
-    );
+    // n as PyTorch's int64 cast of it; NaN, infinities and values beyond int64 act as a
+    // negative degree (what the cast gives on x86).
     let n = trunc_f(b, n);
+    let an = b.abs(n);
+    let ok = cmp_k(b, an, 9.2e18, CmpDir::Lt); // false for NaN
     let m1 = b.splat(n, -1.0);
-    let n = b.select(fin, n, m1);
+    let n = b.select(ok, n, m1);
+    let n_int = b.convert(n, DType::I64);
     let y = match kind {
         Poly::Cheb(_, true) => {
             let xx = b.add(x, x);
@@ -1011,15 +1011,27 @@ fn poly_values(b: &mut Builder, kind: Poly, x: Value, n: Value) -> Value {
         let ncl = b.not(cl);
         rec = b.and(rec, ncl);
     }
+    // Lanes with a fixed answer (y = +-1, Laguerre at 0) skip the loop too: their
+    // recurrence never overflows to stop early.
+    let edge = match kind {
+        Poly::Cheb(..) | Poly::P => Some(cmp_k(b, ay, 1.0, CmpDir::Eq)),
+        Poly::L => Some(cmp_k(b, x, 0.0, CmpDir::Eq)),
+        _ => None,
+    };
+    if let Some(e) = edge {
+        let ne = b.not(e);
+        rec = b.and(rec, ne);
+    }
     if kind == Poly::H || kind == Poly::He {
         let ok = cmp_k(b, n, 128.0, CmpDir::Le);
         rec = b.and(rec, ok);
     }
-    // m = 2, 3, ...: lanes step while m <= n and q is not NaN.
-    let m0 = b.constant(b.dtype(x), 2.0);
+    // m = 2, 3, ... (an int64 count, exact for any degree): lanes step while m <= n and
+    // q is not NaN.
+    let m0 = b.constant(DType::I64, 2.0);
     let active = |b: &mut Builder, m: Value, q: Value| {
         let mv = b.broadcast_in_dim(m, &b.shape(q), &[]);
-        let le = b.compare(mv, n, CmpDir::Le);
+        let le = b.compare(mv, n_int, CmpDir::Le);
         let ok = b.compare(q, q, CmpDir::Eq);
         let a = b.and(le, ok);
         b.and(a, rec)
@@ -1033,7 +1045,8 @@ fn poly_values(b: &mut Builder, kind: Poly, x: Value, n: Value) -> Value {
         |b, s| {
             let (m, p, q) = (s[0], s[1], s[2]);
             let a = active(b, m, q);
-            let mv = b.broadcast_in_dim(m, &b.shape(q), &[]);
+            let mf = b.convert(m, b.dtype(q));
+            let mv = b.broadcast_in_dim(mf, &b.shape(q), &[]);
             let r = poly_step(b, kind, y, mv, p, q);
             let np = b.select(a, q, p);
             let nq = b.select(a, r, q);
@@ -1416,6 +1429,21 @@ fn logit_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
 // ---------------------------------------------------------------------------
 
 fn shift(c: &mut Ctx, left: bool) -> LResult<Vec<Out>> {
+    if c.op.starts_with("aten::__i") {
+        // `a <<= b` casts the result into a first.
+        let (dt, _) = common(&[opnd(c, "self")?, opnd(c, "other")?])?;
+        let self_dt = c.args.tensor("self")?.dtype;
+        if !can_cast(dt, self_dt) {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "result type {} can't be cast to the desired output type {}",
+                    torch_name(dt),
+                    torch_name(self_dt)
+                ),
+            );
+        }
+    }
     let kernel = if left { "lshift_cpu" } else { "rshift_cpu" };
     map_only(c, &["self", "other"], kernel, is_int, |b, v| {
         // Counts outside [0, bits) act as huge unsigned counts in StableHLO: 0 for left
@@ -1431,7 +1459,6 @@ fn shift(c: &mut Ctx, left: bool) -> LResult<Vec<Out>> {
     })
 }
 
-/// Euclid's algorithm on |x|, |y|, element-wise, looping until every lane is done.
 /// |x| for any number type (stablehlo.abs takes no unsigned integers).
 fn abs_any(b: &mut Builder, x: Value) -> Value {
     if matches!(
@@ -1444,6 +1471,7 @@ fn abs_any(b: &mut Builder, x: Value) -> Value {
     }
 }
 
+/// Euclid's algorithm on |x|, |y|, element-wise, looping until every lane is done.
 fn gcd_values(b: &mut Builder, x: Value, y: Value) -> Value {
     let a0 = abs_any(b, x);
     let b0 = abs_any(b, y);
@@ -1662,6 +1690,28 @@ fn prelu_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let zero = b.splat(xg, 0.0);
     let gw = b.select(pos, zero, xg);
     Ok(vec![Out::T(gx), Out::T(gw)])
+}
+
+/// rrelu_with_noise in evaluation mode: leaky_relu with the mean slope; `noise` is left
+/// as it was (written back unchanged). Training draws random slopes: CPU fallback.
+fn rrelu_with_noise(c: &mut Ctx) -> LResult<Vec<Out>> {
+    if c.args.bool_or("training", false) {
+        return crate::decline("rrelu_with_noise: training mode draws random slopes");
+    }
+    let lower = c.args.opt_scalar("lower").map_or(0.125, |s| s.as_f64());
+    let upper = c.args.opt_scalar("upper").map_or(1.0 / 3.0, |s| s.as_f64());
+    let x = c.t("self")?;
+    let noise = c.t("noise")?;
+    let dt = c.b.dtype(x);
+    if !dt.is_float() {
+        return unsupported("leaky_relu_cpu", dt);
+    }
+    let b = &mut *c.b;
+    let pos = cmp_k(b, x, 0.0, CmpDir::Gt);
+    let sx = mul_k(b, x, (lower + upper) / 2.0);
+    let r = b.select(pos, x, sx);
+    c.write_arg("noise", noise);
+    Ok(vec![Out::T(r)])
 }
 
 /// An integer constant of `like`'s type and shape (exact for 64-bit values).
@@ -2104,6 +2154,9 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::bitwise_right_shift", |c| shift(c, false)),
     ("aten::__lshift__", |c| shift(c, true)),
     ("aten::__rshift__", |c| shift(c, false)),
+    // `a <<= b`: in-place ops of their own name (the runtime writes into self).
+    ("aten::__ilshift__", |c| shift(c, true)),
+    ("aten::__irshift__", |c| shift(c, false)),
     ("aten::gcd", gcd),
     ("aten::lcm", lcm),
     // Activations.
@@ -2118,5 +2171,6 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::glu", glu),
     ("aten::glu_backward", glu_backward),
     ("aten::_prelu_kernel", prelu),
+    ("aten::rrelu_with_noise", rrelu_with_noise),
     ("aten::_prelu_kernel_backward", prelu_backward),
 ];
