@@ -20,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import models  # noqa: E402
+
 import torch_pjrt  # noqa: E402
 
 DEVICES = ("cpu", "tpu")

@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
 import torch_pjrt  # registers the "tpu" device
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "coriolanus.txt")

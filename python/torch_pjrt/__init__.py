@@ -20,9 +20,10 @@ def _autoload():
 
 import torch  # noqa: E402
 
-from . import _C
+from . import _C  # noqa: E402
 
 __all__ = [
+    "export_stablehlo",
     "metrics",
     "metrics_report",
     "reset_metrics",
