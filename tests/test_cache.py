@@ -127,8 +127,8 @@ def test_concurrent_cold_runs_store_every_program(populated, reference):
         assert r["losses"] == runs[0]["losses"]
         assert info["directory"] == str(d) and not r["warnings"]
         # Every program is looked up once; what the other process had not stored yet is
-        # compiled here.
-        assert info["disk_misses"] == info["compilations"] > 0
+        # compiled here (which process compiles what depends on timing).
+        assert info["disk_misses"] == info["compilations"]
         assert info["disk_hits"] + info["disk_misses"] == len(entries)
         assert info["corrupt_entries"] == 0
     assert sum(r["info"]["compilations"] for r in runs) >= len(entries)

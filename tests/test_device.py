@@ -262,14 +262,7 @@ DEFER_CASES = {
         assert x.cpu().sum().item() == 12.0
     """,
 }
-DEFER_XFAIL = {
-    "failed_op_then_new_tensor": "BUG: after a failed cpu.add_(tpu) the next graph computes "
-                                 "x + 1 as [1, 1, 1]",
-    "same_program_on_two_devices": "BUG: a deferred graph cached for tpu:1 is reused for tpu:3 "
-                                   "(PJRT: input 0 is on device 3, executable on 1)",
-    "freed_storage_then_empty": "BUG: empty() after freeing a tensor: slice tensor<2xf32> -> "
-                                "tensor<12xf32> in the deferred graph",
-}
+DEFER_XFAIL = {}
 
 
 @pytest.mark.parametrize("name", [

@@ -188,8 +188,6 @@ def run_python(code, **env):
                           cwd=os.path.dirname(__file__))
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: `import torch_pjrt` before torch fails: torch's "
-                   "backend autoload re-enters the half-imported torch_pjrt (no _autoload yet)")
 def test_import_torch_pjrt_first():
     r = run_python("import torch_pjrt, torch; print(torch.ones(2, device='tpu').sum().item())")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -203,9 +201,7 @@ def test_import_torch_autoloads_the_device():
 
 
 @pytest.mark.parametrize("code", [
-    pytest.param("import torch_pjrt", id="import_torch_pjrt", marks=pytest.mark.xfail(
-        strict=True, reason="BUG: `import torch_pjrt` first fails with a circular-import error "
-        "that hides the plugin problem")),
+    pytest.param("import torch_pjrt", id="import_torch_pjrt"),
     pytest.param("import torch, torch_pjrt", id="import_torch_then_torch_pjrt"),
 ])
 def test_missing_plugin_error_is_clear(code):

@@ -62,8 +62,8 @@ pub struct Deferred {
     graphs: Vec<Mutex<Graph>>,
     /// Lazy storage -> its current flat value. Locked after its graph, never before.
     lazy: Vec<Mutex<HashMap<usize, Pending>>>,
-    /// Compiled graphs by module text.
-    programs: Mutex<HashMap<String, Arc<pjrt::Executable>>>,
+    /// Compiled graphs by (device, module text): an executable is bound to its device.
+    programs: Mutex<HashMap<(usize, String), Arc<pjrt::Executable>>>,
     max_ops: usize,
 }
 
@@ -322,7 +322,7 @@ impl Runtime {
         if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
             eprintln!("// deferred graph: {} ops ({reason})\n{mlir}", graph.ops);
         }
-        let cached = lock(&d.programs).get(&mlir).cloned();
+        let cached = lock(&d.programs).get(&(device, mlir.clone())).cloned();
         let exe = match cached {
             Some(e) => {
                 self.metrics
@@ -340,7 +340,7 @@ impl Runtime {
                         graph.ops, e.msg
                     ))
                 })?);
-                lock(&d.programs).insert(mlir, exe.clone());
+                lock(&d.programs).insert((device, mlir), exe.clone());
                 exe
             }
         };
@@ -483,12 +483,12 @@ impl Runtime {
             results.push(*v);
         }
         let mlir = b.finish(&results);
-        let cached = lock(&d.programs).get(&mlir).cloned();
+        let cached = lock(&d.programs).get(&(device, mlir.clone())).cloned();
         let exe = match cached {
             Some(e) => e,
             None => {
                 let e = Arc::new(self.compile(&mlir, device, true)?);
-                lock(&d.programs).insert(mlir.clone(), e.clone());
+                lock(&d.programs).insert((device, mlir.clone()), e.clone());
                 e
             }
         };
