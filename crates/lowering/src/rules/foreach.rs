@@ -9,7 +9,6 @@ use crate::args::Arg;
 use crate::promote::torch_name;
 use crate::shape::reduce_dims;
 use crate::{decline, user_err, Args, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg};
-use stablehlo::ReduceKind;
 
 /// Where one argument of the per-element op comes from.
 #[derive(Clone, Copy)]
@@ -336,29 +335,8 @@ fn norm(c: &mut Ctx) -> LResult<Vec<Out>> {
     }
     let b = &mut *c.b;
     let x = b.convert(t.value, acc);
-    let a = b.abs(x);
-    let r = if ord == f64::INFINITY {
-        b.reduce(a, &dims, ReduceKind::Max)
-    } else if ord == f64::NEG_INFINITY {
-        b.reduce(a, &dims, ReduceKind::Min)
-    } else if ord == 0.0 {
-        let z = b.splat(a, 0.0);
-        let nz = b.compare(a, z, stablehlo::CmpDir::Ne);
-        let nz = b.convert(nz, acc);
-        b.reduce(nz, &dims, ReduceKind::Sum)
-    } else if ord == 1.0 {
-        b.reduce(a, &dims, ReduceKind::Sum)
-    } else if ord == 2.0 {
-        let sq = b.mul(a, a);
-        let s = b.reduce(sq, &dims, ReduceKind::Sum);
-        b.sqrt(s)
-    } else {
-        let p = b.splat(a, ord);
-        let ap = b.binary("stablehlo.power", a, p);
-        let s = b.reduce(ap, &dims, ReduceKind::Sum);
-        let inv = b.splat(s, 1.0 / ord);
-        b.binary("stablehlo.power", s, inv)
-    };
+    let r = super::sorting::norm_keep(b, x, &dims, ord);
+    let r = b.reshape(r, &[]);
     Ok(vec![Out::T(b.convert(r, out))])
 }
 

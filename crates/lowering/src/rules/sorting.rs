@@ -532,7 +532,7 @@ fn bucketize(c: &mut Ctx) -> LResult<Vec<Out>> {
 // ---------------------------------------------------------------------------
 
 /// `ord`-norm of `x` over `dims` (keepdim shape), in `x`'s dtype.
-fn norm_keep(b: &mut Builder, x: Value, dims: &[i64], ord: f64) -> Value {
+pub(crate) fn norm_keep(b: &mut Builder, x: Value, dims: &[i64], ord: f64) -> Value {
     let a = b.abs(x);
     if ord == f64::INFINITY {
         reduce_keep(b, a, dims, ReduceKind::Max, true)
