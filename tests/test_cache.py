@@ -201,7 +201,8 @@ def test_read_only_directory_serves_hits(populated, tmp_path):
 
 def test_size_cap_evicts(tmp_path, reference):
     cap = 80_000
-    r = _run(tmp_path, TORCH_TPU_CACHE_MAX_BYTES=str(cap))
+    # Strict compiles one program per op: enough entries to overflow the cap.
+    r = _run(tmp_path, TORCH_TPU_CACHE_MAX_BYTES=str(cap), TORCH_TPU_DEFER_AND_FUSE="0")
     _check_losses(r, reference)
     assert r["info"]["max_bytes"] == cap
     assert 0 < r["info"]["bytes"] <= cap and r["info"]["entries"] < r["info"]["compilations"]

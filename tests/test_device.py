@@ -211,7 +211,8 @@ def test_metrics_count_ops_and_bytes():
 
 def test_metrics_cache_hit_on_repeat():
     a = torch.ones(7, 5, device="tpu")
-    _ = a * 3.0
+    torch.tpu.synchronize()
+    _ = (a * 3.0).cpu()
     torch_pjrt.reset_metrics()
     _ = (a * 3.0).cpu()
     m = torch_pjrt.metrics()

@@ -12,8 +12,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use stablehlo::{Builder, DType, TensorType, Value};
 
 use crate::exec::{
-    lower_into, returns_of, tensor_at, Loc, LowerOutcome, Outcome, Param, Path, RArg, Ret, Sources,
-    TensorRef, Variant,
+    key, plan, returns_of, tensor_at, Input, Loc, Outcome, Output, Param, Path, Plan, RArg, Ret,
+    RetShape, Sources, TensorRef, Variant,
 };
 use crate::storage::Storage;
 use crate::{host, Error, Result, Runtime};
@@ -29,6 +29,9 @@ struct Graph {
     sources: Vec<Src>,
     /// Storages read from their materialized buffer: their parameter.
     params: HashMap<usize, Pending>,
+    /// The op functions the graph calls, each once, in first-call order.
+    funcs: Vec<Arc<Fragment>>,
+    called: std::collections::HashSet<usize>,
     ops: usize,
     /// Recording a graph for torch.compile: no size-limit flushes.
     capturing: bool,
@@ -43,13 +46,32 @@ enum Src {
     Rng(u64),
 }
 
+/// One op lowered once as a private function; recording it again only adds a call.
+pub(crate) struct Fragment {
+    name: String,
+    text: String,
+    inputs: Vec<Input>,
+    outputs: Vec<Output>,
+    result_types: Vec<TensorType>,
+    rets: Vec<RetShape>,
+    rng_consumed: u64,
+}
+
 impl Graph {
+    /// The module: `@main` returning `outs`, then every function it calls.
+    fn module(&self, outs: &[Value]) -> String {
+        let texts: Vec<&str> = self.funcs.iter().map(|f| f.text.as_str()).collect();
+        self.b.finish_with(outs, &texts)
+    }
+
     fn new() -> Graph {
         Graph {
             b: Builder::new(),
             inputs: Vec::new(),
             sources: Vec::new(),
             params: HashMap::new(),
+            funcs: Vec::new(),
+            called: std::collections::HashSet::new(),
             ops: 0,
             capturing: false,
             broken: false,
@@ -62,8 +84,11 @@ pub struct Deferred {
     graphs: Vec<Mutex<Graph>>,
     /// Lazy storage -> its current flat value. Locked after its graph, never before.
     lazy: Vec<Mutex<HashMap<usize, Pending>>>,
-    /// Compiled graphs by (device, module text): an executable is bound to its device.
+    /// Compiled graphs by (device, text of `@main`): an executable is bound to its device,
+    /// and the callees' names are hashes of their ops' keys.
     programs: Mutex<HashMap<(usize, String), Arc<pjrt::Executable>>>,
+    /// Op functions by the op's cache key (the same key Strict programs use).
+    fragments: Mutex<HashMap<String, Arc<Fragment>>>,
     max_ops: usize,
 }
 
@@ -85,6 +110,7 @@ impl Deferred {
                 .map(|_| Mutex::new(HashMap::new()))
                 .collect(),
             programs: Mutex::new(HashMap::new()),
+            fragments: Mutex::new(HashMap::new()),
             max_ops,
         }
     }
@@ -105,6 +131,7 @@ impl Deferred {
 
     pub fn clear_programs(&self) {
         lock(&self.programs).clear();
+        lock(&self.fragments).clear();
     }
 }
 
@@ -197,7 +224,44 @@ impl Sources for GraphSources<'_> {
 }
 
 impl Runtime {
-    /// Records one op into the device's pending graph.
+    /// The op's function, lowered on its first use.
+    fn fragment(
+        &self,
+        op: &str,
+        overload: &str,
+        device: usize,
+        params: &[Param],
+        var: Variant,
+    ) -> Result<std::result::Result<Arc<Fragment>, Outcome>> {
+        let k = key(op, overload, device, params);
+        if let Some(f) = lock(&self.defer.fragments).get(&k) {
+            return Ok(Ok(f.clone()));
+        }
+        let p = match plan(op, overload, device, params, var)? {
+            Plan::Done(p) => p,
+            Plan::Declined(w) => return Ok(Err(Outcome::Declined(w))),
+            Plan::Resize(r) => return Ok(Err(Outcome::Resize(r))),
+        };
+        let name = {
+            use sha2::{Digest, Sha256};
+            let h = Sha256::digest(k.as_bytes());
+            let hex: String = h[..12].iter().map(|x| format!("{x:02x}")).collect();
+            format!("op_{hex}")
+        };
+        let f = Arc::new(Fragment {
+            text: p.b.func_text(&name, &p.results),
+            result_types: p.results.iter().map(|v| p.b.ty(*v).clone()).collect(),
+            name,
+            inputs: p.inputs,
+            outputs: p.outputs,
+            rets: p.rets,
+            rng_consumed: p.rng_consumed,
+        });
+        lock(&self.defer.fragments).insert(k, f.clone());
+        Ok(Ok(f))
+    }
+
+    /// Records one op into the device's pending graph: a call of the op's function.
     pub(crate) fn record(
         &self,
         op: &str,
@@ -206,6 +270,10 @@ impl Runtime {
         params: &[Param],
         var: Variant,
     ) -> Result<Outcome> {
+        let frag = match self.fragment(op, overload, device, params, var)? {
+            Ok(f) => f,
+            Err(outcome) => return Ok(outcome),
+        };
         let d = &self.defer;
         let mut g = lock(&d.graphs[device]);
         let gen = params.iter().find_map(|p| match p.arg {
@@ -217,6 +285,8 @@ impl Runtime {
             inputs,
             sources,
             params: pmap,
+            funcs,
+            called,
             ops,
             capturing,
             ..
@@ -235,49 +305,75 @@ impl Runtime {
             capturing,
             added: Vec::new(),
         };
-        let res = lower_into(b, &mut src, op, overload, device, params, var);
-        let added = std::mem::take(&mut src.added);
-        let done = matches!(res, Ok(LowerOutcome::Done(_)));
-        if !done {
-            // A failed or declined op leaves the pending graph as it was.
-            b.rollback(cp);
-            inputs.truncate(n_inputs);
-            sources.truncate(n_inputs);
-            for k in &added {
-                pmap.remove(k);
+        let mut bind = || -> Result<Vec<Value>> {
+            let mut args = Vec::with_capacity(frag.inputs.len());
+            for inp in &frag.inputs {
+                args.push(match inp {
+                    Input::Storage { path, dtype } => {
+                        let t = tensor_at(params, *path);
+                        let n = t.nbytes / dtype.size() as i64;
+                        src.storage(b, *path, t, *dtype, n)?
+                    }
+                    Input::Host { path, dtype } => {
+                        src.host(b, *path, tensor_at(params, *path), *dtype)?
+                    }
+                    Input::Rng { path } => {
+                        let v = b.param(TensorType::new(DType::I64, &[2]));
+                        src.rng(*path, frag.rng_consumed)?;
+                        v
+                    }
+                });
             }
-        }
-        let low = match res? {
-            LowerOutcome::Done(l) => l,
-            LowerOutcome::Declined(w) => return Ok(Outcome::Declined(w)),
-            LowerOutcome::Resize(r) => return Ok(Outcome::Resize(r)),
+            Ok(args)
         };
+        let args = match bind() {
+            Ok(a) => a,
+            Err(e) => {
+                // A failed op leaves the pending graph as it was.
+                let added = std::mem::take(&mut src.added);
+                b.rollback(cp);
+                inputs.truncate(n_inputs);
+                sources.truncate(n_inputs);
+                for k in &added {
+                    pmap.remove(k);
+                }
+                return Err(e);
+            }
+        };
+        let outs = b.call(&frag.name, &args, &frag.result_types);
+        let id = Arc::as_ptr(&frag) as usize;
+        if called.insert(id) {
+            funcs.push(frag.clone());
+        }
         *ops += 1;
         let mut new = Vec::new();
         {
             let mut lazy = lock(&d.lazy[device]);
-            for v in &low.new {
-                let ty = b.ty(*v).clone();
-                let flat = b.reshape(*v, &[ty.numel()]);
-                let s = Storage::new(ty.numel() * ty.dtype.size() as i64, device);
-                s.mark_lazy();
-                let s = Arc::new(s);
-                let h = Arc::into_raw(s.clone()) as *mut Storage;
-                lazy.insert(h as usize, (flat, ty.dtype, s));
-                new.push(Ret::Tensor {
-                    handle: h,
-                    dtype: ty.dtype,
-                    sizes: ty.shape,
-                    device,
-                });
-            }
-            for (path, dtype, v) in &low.writes {
-                let t = tensor_at(params, *path);
-                if let Loc::Device(p) = t.loc {
-                    // SAFETY: alive for the call (the shim holds the tensor).
-                    lazy.insert(p as usize, (*v, *dtype, unsafe { Storage::share(p) }));
-                    // SAFETY: alive for the call (the shim holds the tensor).
-                    unsafe { &*p }.mark_lazy();
+            for (o, v) in frag.outputs.iter().zip(&outs) {
+                match o {
+                    Output::New { dtype, sizes } => {
+                        let numel: i64 = sizes.iter().product();
+                        let s = Storage::new(numel * dtype.size() as i64, device);
+                        s.mark_lazy();
+                        let s = Arc::new(s);
+                        let h = Arc::into_raw(s.clone()) as *mut Storage;
+                        lazy.insert(h as usize, (*v, *dtype, s));
+                        new.push(Ret::Tensor {
+                            handle: h,
+                            dtype: *dtype,
+                            sizes: sizes.clone(),
+                            device,
+                        });
+                    }
+                    Output::Write { path, dtype } => {
+                        let t = tensor_at(params, *path);
+                        if let Loc::Device(p) = t.loc {
+                            // SAFETY: alive for the call (the shim holds the tensor).
+                            lazy.insert(p as usize, (*v, *dtype, unsafe { Storage::share(p) }));
+                            // SAFETY: alive for the call (the shim holds the tensor).
+                            unsafe { &*p }.mark_lazy();
+                        }
+                    }
                 }
             }
         }
@@ -287,7 +383,7 @@ impl Runtime {
         if full {
             self.flush(device, "size limit")?;
         }
-        Ok(Outcome::Done(returns_of(&low.rets, params, var, new)))
+        Ok(Outcome::Done(returns_of(&frag.rets, params, var, new)))
     }
 
     /// Runs the device's pending graph, if any.
@@ -318,11 +414,16 @@ impl Runtime {
         // Output order must not depend on hashing, or the module text (the cache key) would.
         entries.sort_by_key(|e| (e.1, e.0));
         let outs: Vec<Value> = entries.iter().map(|e| e.1).collect();
-        let mlir = graph.b.finish(&outs);
+        let main = graph.b.finish(&outs);
         if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
-            eprintln!("// deferred graph: {} ops ({reason})\n{mlir}", graph.ops);
+            eprintln!(
+                "// deferred graph: {} ops ({reason})\n{}",
+                graph.ops,
+                graph.module(&outs)
+            );
         }
-        let cached = lock(&d.programs).get(&(device, mlir.clone())).cloned();
+        let key = (device, main);
+        let cached = lock(&d.programs).get(&key).cloned();
         let exe = match cached {
             Some(e) => {
                 self.metrics
@@ -334,13 +435,14 @@ impl Runtime {
                 self.metrics
                     .cache_misses
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let mlir = graph.module(&outs);
                 let exe = Arc::new(self.compile(&mlir, device, true).map_err(|e| {
                     Error::runtime(format!(
                         "XLA failed to compile a deferred graph of {} ops: {}",
                         graph.ops, e.msg
                     ))
                 })?);
-                lock(&d.programs).insert((device, mlir), exe.clone());
+                lock(&d.programs).insert(key, exe.clone());
                 exe
             }
         };
@@ -482,7 +584,7 @@ impl Runtime {
         for (v, _, _) in &rest {
             results.push(*v);
         }
-        let mlir = b.finish(&results);
+        let mlir = graph.module(&results);
         let cached = lock(&d.programs).get(&(device, mlir.clone())).cloned();
         let exe = match cached {
             Some(e) => e,
@@ -562,6 +664,13 @@ impl Runtime {
                 }
             })
             .collect()
+    }
+
+    /// A captured graph is being dropped: its executable leaves the program cache unless
+    /// another holder (a captured graph with the same module) still uses it.
+    pub fn release_captured(&self, c: &Captured) {
+        lock(&self.defer.programs)
+            .retain(|_, e| !(Arc::ptr_eq(e, &c.exe) && Arc::strong_count(e) == 2));
     }
 
     pub fn replay(

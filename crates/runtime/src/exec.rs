@@ -99,13 +99,13 @@ pub enum Outcome {
 /// A tensor argument's position: (param index, list element).
 pub(crate) type Path = (usize, Option<usize>);
 
-enum Input {
+pub(crate) enum Input {
     Storage { path: Path, dtype: DType },
     Host { path: Path, dtype: DType },
     Rng { path: Option<Path> },
 }
 
-enum Output {
+pub(crate) enum Output {
     New { dtype: DType, sizes: Vec<i64> },
     Write { path: Path, dtype: DType },
 }
@@ -161,7 +161,7 @@ fn dt_name(d: Option<DType>) -> String {
 }
 
 /// The cache key: everything the compiled program depends on, nothing it does not.
-fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> String {
+pub(crate) fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> String {
     let mut k = String::with_capacity(256);
     let _ = write!(k, "{op}.{overload}@{device}");
     let mut slots: Vec<*const Storage> = Vec::new();
@@ -186,7 +186,7 @@ fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> String {
                             slots.push(p);
                             slots.len() - 1
                         });
-                        let _ = write!(k, "s{s}");
+                        let _ = write!(k, "s{s}d{}", t.device);
                     }
                 }
             }
@@ -732,14 +732,30 @@ impl Sources for ProgramInputs {
     }
 }
 
-fn build(
-    rt: &Runtime,
+/// One op as a self-contained function of its inputs: the body of a Strict program, or a
+/// fragment a DeferAndFuse graph calls.
+pub(crate) struct Planned {
+    pub b: Builder,
+    pub results: Vec<Value>,
+    pub inputs: Vec<Input>,
+    pub outputs: Vec<Output>,
+    pub rets: Vec<RetShape>,
+    pub rng_consumed: u64,
+}
+
+pub(crate) enum Plan {
+    Done(Planned),
+    Declined(String),
+    Resize(Vec<(usize, Vec<i64>)>),
+}
+
+pub(crate) fn plan(
     op: &str,
     overload: &str,
     device: usize,
     params: &[Param],
     var: Variant,
-) -> Result<Built> {
+) -> Result<Plan> {
     let mut b = Builder::new();
     let mut src = ProgramInputs {
         inputs: Vec::new(),
@@ -747,8 +763,8 @@ fn build(
     };
     let low = match lower_into(&mut b, &mut src, op, overload, device, params, var)? {
         LowerOutcome::Done(l) => l,
-        LowerOutcome::Declined(w) => return Ok(Built::Declined(w)),
-        LowerOutcome::Resize(r) => return Ok(Built::Resize(r)),
+        LowerOutcome::Declined(w) => return Ok(Plan::Declined(w)),
+        LowerOutcome::Resize(r) => return Ok(Plan::Resize(r)),
     };
     let mut results = Vec::new();
     let mut outputs = Vec::new();
@@ -767,7 +783,30 @@ fn build(
             dtype: *dtype,
         });
     }
-    let mlir = b.finish(&results);
+    Ok(Plan::Done(Planned {
+        b,
+        results,
+        inputs: src.inputs,
+        outputs,
+        rets: low.rets,
+        rng_consumed: src.rng_consumed,
+    }))
+}
+
+fn build(
+    rt: &Runtime,
+    op: &str,
+    overload: &str,
+    device: usize,
+    params: &[Param],
+    var: Variant,
+) -> Result<Built> {
+    let p = match plan(op, overload, device, params, var)? {
+        Plan::Done(p) => p,
+        Plan::Declined(w) => return Ok(Built::Declined(w)),
+        Plan::Resize(r) => return Ok(Built::Resize(r)),
+    };
+    let mlir = p.b.finish(&p.results);
     if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
         eprintln!("// {op}.{overload}\n{mlir}");
     }
@@ -784,10 +823,10 @@ fn build(
     })?;
     Ok(Built::Program(Program {
         exe,
-        inputs: src.inputs,
-        outputs,
-        rets: low.rets,
-        rng_consumed: src.rng_consumed,
+        inputs: p.inputs,
+        outputs: p.outputs,
+        rets: p.rets,
+        rng_consumed: p.rng_consumed,
     }))
 }
 

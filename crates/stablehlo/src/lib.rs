@@ -329,8 +329,18 @@ impl Builder {
         format!("{{\n  ^bb0({}):\n{}  }}", header.join(", "), body)
     }
 
-    /// Prints the module with `outputs` returned from `@main`.
-    pub fn finish(&self, outputs: &[Value]) -> String {
+    /// Emits a call of a function printed by `func_text` (one of `extra` at `finish_with`).
+    pub fn call(&mut self, callee: &str, operands: &[Value], results: &[TensorType]) -> Vec<Value> {
+        self.op_regions(
+            "func.call",
+            operands,
+            &[],
+            &format!("callee = @{callee}"),
+            results,
+        )
+    }
+
+    fn func(&self, header: &str, outputs: &[Value]) -> String {
         let params: Vec<String> = self
             .params
             .iter()
@@ -338,20 +348,41 @@ impl Builder {
             .collect();
         let rets: Vec<String> = outputs.iter().map(|v| self.ty(*v).mlir()).collect();
         let names: Vec<String> = outputs.iter().map(|v| Self::name(*v)).collect();
-        let mut s = String::new();
+        let mut s = String::with_capacity(self.bodies[0].len() + 256);
         let _ = writeln!(
             s,
-            "module @torch_pjrt {{\n  func.func public @main({}) -> ({}) {{",
+            "  {header}({}) -> ({}) {{",
             params.join(", "),
             rets.join(", ")
         );
         s.push_str(&self.bodies[0]);
         let _ = writeln!(
             s,
-            "    \"func.return\"({}) : ({}) -> ()\n  }}\n}}",
+            "    \"func.return\"({}) : ({}) -> ()\n  }}",
             names.join(", "),
             rets.join(", ")
         );
+        s
+    }
+
+    /// Prints the function as `func.func private @name`, to be called from another module.
+    pub fn func_text(&self, name: &str, outputs: &[Value]) -> String {
+        self.func(&format!("func.func private @{name}"), outputs)
+    }
+
+    /// Prints the module with `outputs` returned from `@main`.
+    pub fn finish(&self, outputs: &[Value]) -> String {
+        self.finish_with(outputs, &[])
+    }
+
+    /// Prints the module with `@main` followed by the functions `extra` (from `func_text`).
+    pub fn finish_with(&self, outputs: &[Value], extra: &[&str]) -> String {
+        let mut s = String::from("module @torch_pjrt {\n");
+        s.push_str(&self.func("func.func public @main", outputs));
+        for f in extra {
+            s.push_str(f);
+        }
+        s.push_str("}\n");
         s
     }
 }

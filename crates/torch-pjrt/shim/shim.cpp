@@ -370,8 +370,24 @@ struct TpuHooks final : at::PrivateUse1HooksInterface {
 // C++ kernels: factories, views, storage/metadata, copies
 // ----------------------------------------------------------------------------
 
+// Element types XLA gets from us; anything else (complex, quantized, float8) is refused up
+// front, before a tensor of that type can exist on the device.
+void check_supported_dtype(at::ScalarType t) {
+  using S = at::ScalarType;
+  switch (t) {
+    case S::Bool: case S::Byte: case S::Char: case S::Short: case S::Int: case S::Long:
+    case S::UInt32: case S::UInt64: case S::Half: case S::BFloat16: case S::Float: case S::Double:
+      return;
+    default:
+      TORCH_CHECK_NOT_IMPLEMENTED(false, "the tpu device does not support ", t,
+                                  " tensors (complex, quantized and float8 types have no lowering); "
+                                  "compute this part on the CPU");
+  }
+}
+
 void check_factory_args(std::optional<c10::Layout> layout, std::optional<c10::Device> device,
-                        std::optional<bool> pin_memory) {
+                        std::optional<bool> pin_memory, std::optional<at::ScalarType> dtype) {
+  check_supported_dtype(c10::dtype_or_default(dtype));
   TORCH_CHECK(!layout || *layout == c10::kStrided, "tpu: only strided tensors are supported, got layout ", *layout);
   TORCH_CHECK(!device || device->type() == kTpu, "tpu: factory kernel called for device ", *device);
   TORCH_CHECK(!pin_memory || !*pin_memory, "tpu: only dense CPU tensors can be pinned");
@@ -381,7 +397,7 @@ void check_factory_args(std::optional<c10::Layout> layout, std::optional<c10::De
 at::Tensor tpu_empty(c10::SymIntArrayRef size, std::optional<at::ScalarType> dtype,
                      std::optional<c10::Layout> layout, std::optional<c10::Device> device,
                      std::optional<bool> pin_memory, std::optional<c10::MemoryFormat> memory_format) {
-  check_factory_args(layout, device, pin_memory);
+  check_factory_args(layout, device, pin_memory, dtype);
   DeviceScope scope(device && device->has_index() ? device->index() : -1);
   return at::detail::empty_generic(C10_AS_INTARRAYREF_SLOW(size), &g_alloc,
                                    c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
@@ -391,7 +407,7 @@ at::Tensor tpu_empty(c10::SymIntArrayRef size, std::optional<at::ScalarType> dty
 at::Tensor tpu_empty_strided(c10::SymIntArrayRef size, c10::SymIntArrayRef stride,
                              std::optional<at::ScalarType> dtype, std::optional<c10::Layout> layout,
                              std::optional<c10::Device> device, std::optional<bool> pin_memory) {
-  check_factory_args(layout, device, pin_memory);
+  check_factory_args(layout, device, pin_memory, dtype);
   DeviceScope scope(device && device->has_index() ? device->index() : -1);
   return at::detail::empty_strided_generic(C10_AS_INTARRAYREF_SLOW(size), C10_AS_INTARRAYREF_SLOW(stride),
                                            &g_alloc, c10::DispatchKeySet(c10::DispatchKey::PrivateUse1),
@@ -466,6 +482,10 @@ at::Tensor& tpu_set_empty(at::Tensor& self) {
 
 // src -> dst, any mix of cpu/tpu, dtype conversion and broadcasting done by Rust.
 void copy_impl(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
+  if (src.device().type() == kTpu || dst.device().type() == kTpu) {
+    check_supported_dtype(src.scalar_type());
+    check_supported_dtype(dst.scalar_type());
+  }
   if (dst.numel() == 0) return;
   TpuTensor s, d;
   describe_or_throw(src, false, &s, "copy source");
