@@ -170,3 +170,50 @@ def test_debug_mode_raises_at_the_op():
         with pytest.raises(RuntimeError, match="must match the size"):
             a + torch.ones(4, device="tpu")
         assert (a + 1).sum().item() == 6
+
+
+ASYNC_FAILURE = (
+    "import torch, torch_pjrt\n"
+    "a = torch.ones(3, device='tpu')\n"
+    "b = a * 2\n"  # fails on the device (injected)
+    "c = b + 1\n"  # depends on the failed op: must not run on garbage
+    "d = a + 1\n"  # independent: fine
+    "print('DISPATCHED')\n"
+    "try:\n"
+    "    torch.tpu.synchronize()\n"
+    "    print('NO ERROR')\n"
+    "except RuntimeError as e:\n"
+    "    print('SYNC', e)\n"
+    "try:\n"
+    "    c.cpu()\n"
+    "except RuntimeError as e:\n"
+    "    print('READ', e)\n"
+    "print('D', d.cpu().tolist())\n"
+    "torch.tpu.synchronize()\n"
+    "print('CLEAN')\n"
+)
+
+
+def test_strict_async_failure_surfaces_at_next_sync():
+    out = _run_subprocess(ASYNC_FAILURE, TORCH_PJRT_INJECT_FAILURE="aten::mul",
+                          TORCH_TPU_DEFER_AND_FUSE="0", TORCH_TPU_LAUNCH_BLOCKING="0")
+    lines = out.stdout.splitlines()
+    assert lines[0] == "DISPATCHED", out.stdout + out.stderr
+    assert lines[1].startswith("SYNC aten::mul failed on the tpu device"), out.stdout
+    assert lines[2].startswith("READ aten::mul failed"), out.stdout
+    assert lines[3] == "D [2.0, 2.0, 2.0]" and lines[4] == "CLEAN", out.stdout
+
+
+def test_debug_failure_raises_at_the_op():
+    code = (
+        "import torch, torch_pjrt\n"
+        "a = torch.ones(3, device='tpu')\n"
+        "try:\n"
+        "    b = a * 2\n"
+        "    print('NO ERROR')\n"
+        "except RuntimeError as e:\n"
+        "    print('OP', e)\n"
+    )
+    out = _run_subprocess(code, TORCH_PJRT_INJECT_FAILURE="aten::mul",
+                          TORCH_TPU_DEFER_AND_FUSE="0", TORCH_TPU_LAUNCH_BLOCKING="1")
+    assert out.stdout.startswith("OP aten::mul failed on the tpu device"), out.stdout + out.stderr

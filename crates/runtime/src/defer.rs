@@ -397,6 +397,8 @@ impl Runtime {
         if g.ops == 0 && lazy.is_empty() {
             return Ok(());
         }
+        // Queued Strict jobs may read storages this graph overwrites.
+        self.worker.drain();
         let was_capturing = g.capturing;
         let graph = std::mem::replace(&mut *g, Graph::new());
         if was_capturing {

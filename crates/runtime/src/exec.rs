@@ -15,6 +15,7 @@ use stablehlo::{Builder, DType, TensorType, Value};
 
 use crate::layout::{self, View};
 use crate::storage::Storage;
+use crate::worker::{Job, JobIn};
 use crate::{host, Error, Result, Runtime};
 
 /// Where a tensor's elements are.
@@ -119,7 +120,7 @@ pub(crate) enum RetShape {
 
 /// A compiled op with its input/output plan.
 pub struct Program {
-    exe: pjrt::Executable,
+    pub(crate) exe: pjrt::Executable,
     inputs: Vec<Input>,
     outputs: Vec<Output>,
     rets: Vec<RetShape>,
@@ -371,7 +372,11 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
             }
         }
     };
-    let new = execute(rt, op, &prog, params)?;
+    let new = if mode == crate::mode::EagerMode::Strict {
+        execute_async(rt, op, &prog, params, device)?
+    } else {
+        execute(rt, op, &prog, params)?
+    };
     rt.metrics.native(op);
     Ok(Outcome::Done(returns_of(&prog.rets, params, var, new)))
 }
@@ -563,7 +568,7 @@ pub(crate) fn lower_into(
     let unmodelled = params.iter().enumerate().find(|(i, p)| {
         p.is_write
             && !p.is_out
-            && !(var == Variant::Inplace && *i == 0)
+            && (var != Variant::Inplace || *i != 0)
             && !matches!(p.arg, RArg::None)
             && !extra_writes.iter().any(|(n, _)| *n == p.name)
     });
@@ -891,7 +896,96 @@ fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -
     }
 }
 
+/// Strict: queues the op on the worker; its outputs are pending storages.
+fn execute_async(
+    rt: &Runtime,
+    op: &str,
+    prog: &Arc<Program>,
+    params: &[Param],
+    device: usize,
+) -> Result<Vec<Ret>> {
+    let mut inputs = Vec::with_capacity(prog.inputs.len());
+    for inp in &prog.inputs {
+        match inp {
+            Input::Storage { path, dtype } => {
+                let t = tensor_at(params, *path);
+                let Loc::Device(p) = t.loc else {
+                    unreachable!("storage input on the host")
+                };
+                // SAFETY: the shim holds the tensor alive during the call.
+                inputs.push(JobIn::Storage(unsafe { Storage::share(p) }, *dtype));
+            }
+            Input::Host { path, dtype } => {
+                let t = tensor_at(params, *path);
+                let Loc::Host(p) = t.loc else {
+                    unreachable!("host input")
+                };
+                // SAFETY: PyTorch keeps the CPU tensor alive during the call and its view is
+                // inside its storage.
+                let bytes = unsafe { host::read(p, &t.view, dtype.size()) };
+                inputs.push(JobIn::Buf(Arc::new(rt.upload(
+                    &bytes,
+                    *dtype,
+                    &t.view.sizes,
+                    device,
+                )?)));
+            }
+            Input::Rng { path } => {
+                let state = path.and_then(|p| match params[p.0].arg {
+                    RArg::Generator(g) => Some(g),
+                    _ => None,
+                });
+                inputs.push(JobIn::Buf(crate::rng_input(
+                    rt,
+                    state,
+                    device,
+                    prog.rng_consumed,
+                )?));
+            }
+        }
+    }
+    let mut new = Vec::new();
+    let worker: &'static crate::worker::Worker = &crate::get()?.worker;
+    worker.submit(|seq| {
+        let mut outputs = Vec::with_capacity(prog.outputs.len());
+        for o in &prog.outputs {
+            match o {
+                Output::New { dtype, sizes } => {
+                    let n: i64 = sizes.iter().product();
+                    let s = Arc::new(Storage::new(n * dtype.size() as i64, device));
+                    s.mark_pending(seq);
+                    outputs.push((s.clone(), *dtype));
+                    new.push(Ret::Tensor {
+                        handle: Arc::into_raw(s) as *mut Storage,
+                        dtype: *dtype,
+                        sizes: sizes.clone(),
+                        device,
+                    });
+                }
+                Output::Write { path, dtype } => {
+                    if let Loc::Device(p) = tensor_at(params, *path).loc {
+                        // SAFETY: the shim holds the tensor alive during the call.
+                        let s = unsafe { Storage::share(p) };
+                        s.mark_pending(seq);
+                        outputs.push((s, *dtype));
+                    }
+                }
+            }
+        }
+        Job {
+            op: op.to_string(),
+            exe: prog.clone(),
+            inputs,
+            outputs,
+        }
+    })?;
+    Ok(new)
+}
+
 fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<Vec<Ret>> {
+    if let Some(msg) = crate::worker::injected_failure(op) {
+        return Err(Error::runtime(msg));
+    }
     let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(prog.inputs.len());
     let mut device = 0;
     for inp in &prog.inputs {

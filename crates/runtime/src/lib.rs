@@ -18,6 +18,7 @@ pub mod layout;
 pub mod metrics;
 pub mod mode;
 pub mod storage;
+pub mod worker;
 
 pub use exec::{dispatch, Outcome, Param, RArg, Ret, TensorRef};
 pub use layout::View;
@@ -147,6 +148,8 @@ pub struct Runtime {
     pub disk: diskcache::DiskCache,
     pub metrics: metrics::Metrics,
     pub defer: defer::Deferred,
+    /// Strict mode's executor thread.
+    pub worker: worker::Worker,
     /// Output buffers (and the op that made them) not yet known to be complete.
     pending: Mutex<Vec<(String, Arc<pjrt::Buffer>)>>,
 }
@@ -179,6 +182,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         cache: cache::Cache::default(),
         metrics: metrics::Metrics::default(),
         defer: defer::Deferred::new(devices),
+        worker: worker::Worker::default(),
         pending: Mutex::new(Vec::new()),
     };
     mode::store(mode::from_env());
@@ -232,6 +236,7 @@ impl Runtime {
     /// asynchronous failure, naming its op.
     pub fn synchronize(&self) -> Result<()> {
         self.flush_all("synchronize")?;
+        self.worker.synchronize()?;
         let bufs = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         for (op, b) in bufs {
             b.ready().map_err(|e| {
@@ -272,6 +277,7 @@ impl Runtime {
     pub fn set_mode(&self, m: mode::EagerMode) -> Result<()> {
         if m != mode::get() {
             self.flush_all("mode change")?;
+            self.worker.drain();
             mode::store(m);
         }
         Ok(())

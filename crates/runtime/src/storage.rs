@@ -4,7 +4,7 @@
 //! PJRT buffers are immutable, so a write swaps the buffer; views and in-place ops keep
 //! PyTorch's semantics because every tensor sharing the storage sees the swap.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use stablehlo::DType;
@@ -16,20 +16,29 @@ pub struct Storage {
     inner: Mutex<Inner>,
     /// Its current value is pending in the device's deferred graph (DeferAndFuse).
     lazy: AtomicBool,
+    /// The Strict worker's job that writes its next value (0: none pending).
+    pending: AtomicU64,
 }
 
 struct Inner {
     nbytes: i64,
     /// The flat buffer and its element type; None until first written.
     buf: Option<(Arc<pjrt::Buffer>, DType)>,
+    /// The failure of the async op that should have written it.
+    poison: Option<String>,
 }
 
 impl Storage {
     pub fn new(nbytes: i64, device: usize) -> Storage {
         Storage {
             device,
-            inner: Mutex::new(Inner { nbytes, buf: None }),
+            inner: Mutex::new(Inner {
+                nbytes,
+                buf: None,
+                poison: None,
+            }),
             lazy: AtomicBool::new(false),
+            pending: AtomicU64::new(0),
         }
     }
 
@@ -40,8 +49,10 @@ impl Storage {
             inner: Mutex::new(Inner {
                 nbytes: n,
                 buf: Some((buf, dtype)),
+                poison: None,
             }),
             lazy: AtomicBool::new(false),
+            pending: AtomicU64::new(0),
         }
     }
 
@@ -79,11 +90,58 @@ impl Storage {
         self.lazy.store(true, Ordering::Release);
     }
 
-    /// Runs the pending graph if this storage's value is in it.
+    /// Its next value comes from the worker's job `seq`.
+    pub(crate) fn mark_pending(&self, seq: u64) {
+        self.pending.store(seq, Ordering::Release);
+    }
+
+    /// The worker's job `seq` produced the value.
+    pub(crate) fn fill(&self, seq: u64, buf: Arc<pjrt::Buffer>, dtype: DType) {
+        {
+            let mut g = self.lock();
+            g.buf = Some((buf, dtype));
+            g.poison = None;
+        }
+        let _ = self
+            .pending
+            .compare_exchange(seq, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    /// The worker's job `seq` failed: readers get its error instead of a value.
+    pub(crate) fn poison(&self, seq: u64, msg: &str) {
+        self.lock().poison = Some(msg.to_string());
+        let _ = self
+            .pending
+            .compare_exchange(seq, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    pub(crate) fn poisoned(&self) -> Option<String> {
+        self.lock().poison.clone()
+    }
+
+    /// Waits until the value is computed: runs the pending graph if it is in one, waits
+    /// for the worker's job if one writes it.
     fn settle(&self) -> Result<()> {
         if self.is_lazy() {
             crate::get()?.flush(self.device, "read")?;
         }
+        let seq = self.pending.load(Ordering::Acquire);
+        if seq != 0 {
+            crate::get()?.worker.wait_for(seq);
+        }
+        match self.poisoned() {
+            Some(msg) => Err(Error::runtime(msg)),
+            None => Ok(()),
+        }
+    }
+
+    /// Before the Python thread replaces the contents: queued jobs may still read them.
+    fn before_write(&self) -> Result<()> {
+        if self.is_lazy() {
+            crate::get()?.flush(self.device, "read")?;
+        }
+        crate::get()?.worker.drain();
+        self.lock().poison = None;
         Ok(())
     }
 
@@ -118,6 +176,11 @@ impl Storage {
     /// another element type, zeros if never written.
     pub fn buffer_as(&self, rt: &Runtime, dtype: DType) -> Result<Arc<pjrt::Buffer>> {
         self.settle()?;
+        self.buffer_now(rt, dtype)
+    }
+
+    /// `buffer_as` for the worker, whose queue order already settled the value.
+    pub(crate) fn buffer_now(&self, rt: &Runtime, dtype: DType) -> Result<Arc<pjrt::Buffer>> {
         let mut g = self.lock();
         if let Some((b, d)) = &g.buf {
             if *d == dtype {
@@ -141,7 +204,7 @@ impl Storage {
 
     /// Replaces the contents (the buffer must hold exactly nbytes).
     pub fn set(&self, buf: Arc<pjrt::Buffer>, dtype: DType) -> Result<()> {
-        self.settle()?;
+        self.before_write()?;
         let mut g = self.lock();
         g.buf = Some((buf, dtype));
         Ok(())
@@ -163,6 +226,7 @@ impl Storage {
 
     /// Stores raw bytes as u8 elements (the next typed reader re-types them).
     pub fn set_bytes(&self, rt: &Runtime, bytes: &[u8]) -> Result<()> {
+        self.before_write()?;
         let n = bytes.len() as i64;
         let buf = Arc::new(rt.upload(bytes, DType::U8, &[n], self.device)?);
         let mut g = self.lock();

@@ -1,0 +1,216 @@
+//! Strict mode's asynchrony: ops are executed by one worker thread, in the order Python
+//! issued them, while the Python thread goes on dispatching.
+//!
+//! An op's output storages are "pending" (they carry the sequence number of the job that
+//! fills them) until the worker has run it. The Python thread waits only where it needs a
+//! value: reading a pending storage waits for its job, replacing a storage's contents from
+//! the Python thread waits for every queued job (one of them may still read the old
+//! contents), `synchronize()` waits for all and raises the first failure. A failed job
+//! poisons its outputs, so the jobs that read them are skipped, not run on garbage.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+use stablehlo::DType;
+
+use crate::storage::Storage;
+use crate::{Error, Result};
+
+/// One input of a job: a buffer known at dispatch, or a storage read when the job runs.
+pub(crate) enum JobIn {
+    Buf(Arc<pjrt::Buffer>),
+    Storage(Arc<Storage>, DType),
+}
+
+pub(crate) struct Job {
+    pub op: String,
+    pub exe: Arc<crate::exec::Program>,
+    pub inputs: Vec<JobIn>,
+    /// Where each program output goes, in order.
+    pub outputs: Vec<(Arc<Storage>, DType)>,
+}
+
+struct State {
+    jobs: VecDeque<(u64, Job)>,
+    enqueued: u64,
+    /// The first failure not yet reported by `synchronize`.
+    error: Option<String>,
+    started: bool,
+}
+
+pub struct Worker {
+    state: Mutex<State>,
+    work: Condvar,
+    finished: Condvar,
+    /// Highest sequence number the worker has completed.
+    done: AtomicU64,
+    sleeping: AtomicBool,
+}
+
+/// Jobs in flight before the Python thread waits (bounds memory held by the queue).
+const MAX_IN_FLIGHT: u64 = 2048;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Default for Worker {
+    fn default() -> Self {
+        Worker {
+            state: Mutex::new(State {
+                jobs: VecDeque::new(),
+                enqueued: 0,
+                error: None,
+                started: false,
+            }),
+            work: Condvar::new(),
+            finished: Condvar::new(),
+            done: AtomicU64::new(0),
+            sleeping: AtomicBool::new(false),
+        }
+    }
+}
+
+impl Worker {
+    /// Queues the job `make(seq)` builds; it marks its outputs pending with `seq` before
+    /// the worker can see it.
+    pub(crate) fn submit(&'static self, make: impl FnOnce(u64) -> Job) -> Result<()> {
+        let mut st = lock(&self.state);
+        if !st.started {
+            std::thread::Builder::new()
+                .name("tpu-worker".into())
+                .spawn(move || self.run())
+                .map_err(|e| Error::runtime(format!("cannot start the tpu worker: {e}")))?;
+            st.started = true;
+        }
+        let seq = st.enqueued + 1;
+        let job = make(seq);
+        st.enqueued = seq;
+        st.jobs.push_back((seq, job));
+        drop(st);
+        if self.sleeping.load(Ordering::Acquire) {
+            self.work.notify_one();
+        }
+        let done = self.done.load(Ordering::Acquire);
+        if seq.saturating_sub(done) > MAX_IN_FLIGHT {
+            self.wait_for(seq - MAX_IN_FLIGHT / 2);
+        }
+        Ok(())
+    }
+
+    /// Waits until job `seq` has run.
+    pub(crate) fn wait_for(&self, seq: u64) {
+        // A short spin first: most waits are for a job that is just finishing.
+        for _ in 0..2000 {
+            if self.done.load(Ordering::Acquire) >= seq {
+                return;
+            }
+            std::hint::spin_loop();
+        }
+        let mut st = lock(&self.state);
+        while self.done.load(Ordering::Acquire) < seq {
+            st = self.finished.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Waits for every job queued so far.
+    pub fn drain(&self) {
+        let last = lock(&self.state).enqueued;
+        if self.done.load(Ordering::Acquire) < last {
+            self.wait_for(last);
+        }
+    }
+
+    /// Drains, then reports (once) the first failure since the last call.
+    pub fn synchronize(&self) -> Result<()> {
+        self.drain();
+        match lock(&self.state).error.take() {
+            Some(msg) => Err(Error::runtime(msg)),
+            None => Ok(()),
+        }
+    }
+
+    fn next_job(&self) -> (u64, Job) {
+        // Spin briefly before sleeping: the Python thread usually queues the next op within
+        // microseconds, and a futex wake-up costs more than that.
+        for _ in 0..20_000 {
+            if let Ok(mut st) = self.state.try_lock() {
+                if let Some(j) = st.jobs.pop_front() {
+                    return j;
+                }
+            }
+            std::hint::spin_loop();
+        }
+        let mut st = lock(&self.state);
+        loop {
+            if let Some(j) = st.jobs.pop_front() {
+                self.sleeping.store(false, Ordering::Release);
+                return j;
+            }
+            self.sleeping.store(true, Ordering::Release);
+            st = self.work.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    fn run(&self) {
+        loop {
+            let (seq, job) = self.next_job();
+            if let Err(msg) = self.execute(seq, &job) {
+                for (s, _) in &job.outputs {
+                    s.poison(seq, &msg);
+                }
+                let mut st = lock(&self.state);
+                st.error.get_or_insert(msg);
+            }
+            drop(job);
+            self.done.store(seq, Ordering::Release);
+            let _g = lock(&self.state);
+            self.finished.notify_all();
+        }
+    }
+
+    fn execute(&self, seq: u64, job: &Job) -> std::result::Result<(), String> {
+        let rt = crate::get().map_err(|e| e.msg)?;
+        if let Some(msg) = injected_failure(&job.op) {
+            return Err(msg);
+        }
+        let mut bufs = Vec::with_capacity(job.inputs.len());
+        for i in &job.inputs {
+            bufs.push(match i {
+                JobIn::Buf(b) => b.clone(),
+                JobIn::Storage(s, dt) => {
+                    if let Some(msg) = s.poisoned() {
+                        // Skipped: its input came from a failed op.
+                        return Err(msg);
+                    }
+                    s.buffer_now(rt, *dt)
+                        .map_err(|e| format!("{} failed on the tpu device: {}", job.op, e.msg))?
+                }
+            });
+        }
+        let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
+        let outs = job
+            .exe
+            .exe
+            .execute(&refs)
+            .map_err(|e| format!("{} failed on the tpu device: {}", job.op, e.message))?;
+        rt.metrics.executions.fetch_add(1, Ordering::Relaxed);
+        let outs: Vec<Arc<pjrt::Buffer>> = outs.into_iter().map(Arc::new).collect();
+        rt.track(&job.op, &outs);
+        for ((s, dt), b) in job.outputs.iter().zip(outs) {
+            s.fill(seq, b, *dt);
+        }
+        Ok(())
+    }
+}
+
+/// Test hook: `TORCH_PJRT_INJECT_FAILURE=aten::mul` makes every execution of that op fail
+/// on the device, to exercise how failures surface in each mode.
+pub(crate) fn injected_failure(op: &str) -> Option<String> {
+    static OP: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    let target = OP.get_or_init(|| std::env::var("TORCH_PJRT_INJECT_FAILURE").ok());
+    (target.as_deref() == Some(op)).then(|| {
+        format!("{op} failed on the tpu device: injected failure (TORCH_PJRT_INJECT_FAILURE)")
+    })
+}
