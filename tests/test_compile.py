@@ -416,18 +416,26 @@ def test_unlowered_op_in_graph(mode):
 # ---------------------------------------------------------------------------
 
 
+def live_programs():
+    return compile_counters()["live_programs"]
+
+
+LENGTHS = [5, 9, 17, 33, 12, 7, 9, 33, 5]
+
+
 @pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
 def test_dynamic_sequence_length(how, record_property):
-    """One Dynamo graph for every sequence length (dynamic=True / mark_dynamic); this
-    backend compiles one XLA program per distinct shape, so the programs are bounded by
-    (forward + backward) x distinct lengths."""
+    """One Dynamo graph for every sequence length (dynamic=True / mark_dynamic). The backend
+    does not pad to buckets (the causal attention and the mean loss would see the padding):
+    it captures and compiles each distinct length once, forward and backward, and replays
+    repeated lengths; results are those of CPU eager for every length."""
     torch.manual_seed(0)
-    cpu_model = gpt()
+    cpu_model = models.GPT(VOCAB, d_model=32, n_heads=2, n_layers=2, seq_len=64)
     tpu_model = copy.deepcopy(cpu_model).to("tpu")
     compiled = torch.compile(tpu_model, backend="tpu", dynamic=True if how == "dynamic" else None)
-    lengths = [6, 11, 9, 11, 6]
+    live0 = live_programs()
     g = torch.Generator().manual_seed(1)
-    for t in lengths:
+    for t in LENGTHS:
         x = torch.randint(0, VOCAB, (2, t), generator=g)
         y = torch.randint(0, VOCAB, (2, t), generator=g)
         xt = x.to("tpu")
@@ -435,21 +443,117 @@ def test_dynamic_sequence_length(how, record_property):
             torch._dynamo.mark_dynamic(xt, 1)
         cpu_model.zero_grad(set_to_none=True)
         tpu_model.zero_grad(set_to_none=True)
-        loss = cpu_model.loss(x, y)
+        logits = cpu_model(x)
+        loss = F.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         loss.backward()
-        logits = compiled(xt)
-        loss_t = F.cross_entropy(logits.reshape(-1, VOCAB), y.to("tpu").reshape(-1))
+        logits_t = compiled(xt)
+        loss_t = F.cross_entropy(logits_t.reshape(-1, VOCAB), y.to("tpu").reshape(-1))
         loss_t.backward()
-        assert_close(logits, cpu_model(x).detach(), atol=1e-5, rtol=1e-4)
-        assert math.isclose(loss_t.item(), loss.item(), rel_tol=RTOL)
+        assert logits_t.shape == (2, t, VOCAB)
+        assert_close(logits_t, logits.detach(), atol=1e-5, rtol=1e-4)
+        assert math.isclose(loss_t.item(), loss.item(), rel_tol=RTOL), t
         assert_state_close(tpu_model, cpu_model)
     c = compile_counters()
-    distinct = len(set(lengths))
+    distinct = len(set(LENGTHS))
     record_property("compiled_programs", c["compiled_graphs"])
     record_property("distinct_lengths", distinct)
     assert c["dynamo_graph_breaks"] == 0, c
-    assert 0 < c["compiled_graphs"] <= 2 * distinct, c
+    assert c["dynamo_graphs"] == 1, c  # one symbolic graph for every length
+    # Forward and backward once per distinct length; the repeated lengths replay.
+    assert c["compiled_graphs"] == 2 * distinct, c
+    assert c["recompilations"] == c["recompilations_new_shape"] == 2 * (distinct - 1), c
+    assert live_programs() - live0 == 2 * distinct, c
     assert not c.get("graph_breaks", 0), c
+
+
+def test_max_programs_evicts_least_recently_used(mode):
+    """options={"max_programs": 2}: a third length frees the least recently used program;
+    a freed length is captured again (counted by reason) and still right."""
+    def f(x, w):
+        return (x * w).sum(-1).tanh()
+
+    cf = torch.compile(f, backend="tpu", dynamic=True, options={"max_programs": 2})
+    live0 = live_programs()
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(8, generator=g)
+    for n in (3, 4, 5, 3, 5, 6):
+        x = torch.randn(n, 8, generator=g)
+        assert_close(cf(x.to("tpu"), w.to("tpu")), f(x, w), atol=1e-6, rtol=1e-5)
+        assert live_programs() - live0 <= 2
+    c = compile_counters()
+    assert c["dynamo_graphs"] == 1, c
+    # 3, 4, 5 (evicts 3), 3 again (evicts 4), 5 replays, 6 (evicts 5).
+    assert c["compiled_graphs"] == 5, c
+    assert c["evicted_programs"] == 3, c
+    assert c["recompilations_new_shape"] == 3 and c["recompilations_evicted"] == 1, c
+    assert live_programs() - live0 == 2, c
+
+
+def program_loads():
+    m = torch_pjrt.metrics()
+    return m["compilations"] + m.get("disk_hits", 0)
+
+
+def test_reset_releases_programs(mode):
+    """torch._dynamo.reset() frees every compiled program (executable and constants): the
+    count of live programs drops back, and the same graph compiled again must load its
+    executable again. A backward still pending across the reset captures again."""
+    live0 = live_programs()
+    w = torch.randn(4, 3)
+    wt = w.to("tpu").requires_grad_()
+
+    def f(x, w):
+        return (x @ w).tanh().sum()
+
+    cf = torch.compile(f, backend="tpu", dynamic=True)
+    g = torch.Generator().manual_seed(0)
+    # Not 3 or 4: Dynamo's duck sizing would tie the length to w's sizes at first.
+    xs = [torch.randn(n, 4, generator=g) for n in (5, 6, 7)]
+    for x in xs:
+        cf(x.to("tpu"), wt).backward()
+    pending = cf(xs[0].to("tpu"), wt)  # its backward runs after the reset
+    n = compile_counters()["compiled_graphs"]
+    assert n == 6 and live_programs() - live0 == n, compile_counters()
+    torch._dynamo.reset()
+    assert live_programs() == live0, compile_counters()
+    assert compile_counters()["released_programs"] == n, compile_counters()
+    wt.grad = None
+    pending.backward()
+    wc = w.clone().requires_grad_()
+    f(xs[0], wc).backward()
+    assert_close(wt.grad, wc.grad, atol=1e-6, rtol=1e-5)
+    assert compile_counters()["recompilations_released"] == 1, compile_counters()
+    torch._dynamo.reset()
+    assert live_programs() == live0
+    # The executables left the in-memory program cache: the same calls load them again
+    # (from the disk cache or by compiling), forward and backward.
+    before = program_loads()
+    cf = torch.compile(f, backend="tpu", dynamic=True)
+    cf(xs[1].to("tpu"), wt).backward()
+    assert program_loads() - before >= 2
+    assert live_programs() - live0 == 2
+
+
+def test_garbage_collected_graph_releases_programs():
+    """A compiled graph nobody refers to any more frees its programs."""
+    import gc
+
+    from torch_pjrt.compile import tpu_backend
+
+    def f(x, y):
+        return ((x * y).sin() + 1,)
+
+    x, y = torch.randn(5), torch.randn(5)
+    gm = torch.fx.symbolic_trace(f)
+    live0 = live_programs()
+    fn = tpu_backend(gm, [x.to("tpu"), y.to("tpu")])
+    for n in (5, 7):
+        a, b = torch.randn(n), torch.randn(n)
+        assert_close(fn(a.to("tpu"), b.to("tpu"))[0], f(a, b)[0])
+    assert live_programs() - live0 == 2
+    del fn
+    gc.collect()
+    assert live_programs() == live0
 
 
 # ---------------------------------------------------------------------------
@@ -491,6 +595,12 @@ def test_core_decompositions_option():
 def test_bad_option_raises_value_error(kw):
     cf = torch.compile(lambda x: x + 1, backend="tpu", **kw)
     with pytest.raises(ValueError, match="no.such"):
+        cf(torch.ones(3, device="tpu"))
+
+
+def test_bad_max_programs_raises_value_error():
+    cf = torch.compile(lambda x: x + 1, backend="tpu", options={"max_programs": 0})
+    with pytest.raises(ValueError, match="max_programs"):
         cf(torch.ones(3, device="tpu"))
 
 

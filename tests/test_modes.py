@@ -19,6 +19,12 @@ def _mlp(dev, seed=0):
     ).to(dev)
 
 
+def _clean_env():
+    """The environment without the mode selection the suite may run under."""
+    drop = ("TORCH_TPU_LAUNCH_BLOCKING", "TORCH_TPU_DEFER_AND_FUSE")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def _train(dev, make_opt, steps, schedule=False, on_step=None):
     m = _mlp(dev)
     opt = make_opt(m.parameters())
@@ -41,17 +47,23 @@ def _train(dev, make_opt, steps, schedule=False, on_step=None):
 
 
 def test_api_and_context_manager_restores_after_error():
-    assert torch.tpu.eager_mode == EM.DEFER_NEVER
+    # The suite runs once per mode: the starting mode comes from the environment.
+    start = torch.tpu.eager_mode
+    expected = (EM.DEFER_AND_FUSE if os.environ.get("TORCH_TPU_DEFER_AND_FUSE") == "1"
+                else EM.DEFER_NEVER_AND_LAUNCH_BLOCKING
+                if os.environ.get("TORCH_TPU_LAUNCH_BLOCKING") == "1" else EM.DEFER_NEVER)
+    assert start == expected
     torch.tpu.eager_mode = EM.DEFER_NEVER_AND_LAUNCH_BLOCKING
     assert torch.tpu.eager_mode == EM.DEFER_NEVER_AND_LAUNCH_BLOCKING
     torch.tpu.eager_mode = EM.DEFER_NEVER
     with pytest.raises(ZeroDivisionError):
         with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
             assert torch.tpu.eager_mode == EM.DEFER_AND_FUSE
-            1 / 0
+            raise ZeroDivisionError
     assert torch.tpu.eager_mode == EM.DEFER_NEVER
     with pytest.raises(TypeError):
         torch.tpu.eager_mode = 2
+    torch.tpu.eager_mode = start
 
 
 @pytest.mark.parametrize(
@@ -62,7 +74,7 @@ def test_api_and_context_manager_restores_after_error():
 def test_environment_selects_mode(env, expected):
     code = "import torch, torch_pjrt; print(torch.tpu.eager_mode.name)"
     out = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, env: "1"},
+        [sys.executable, "-c", code], env={**_clean_env(), env: "1"},
         capture_output=True, text=True, check=True,
     )
     assert out.stdout.strip() == expected
@@ -79,19 +91,34 @@ def test_environment_selects_mode(env, expected):
 )
 def test_defer_and_fuse_compiles_nothing_after_second_step(make_opt):
     cpu = _train("cpu", make_opt, 6, schedule=True)
-    counts = []
+    counts, donated = [], []
+
+    def on_step(i):
+        m = torch_pjrt.metrics()
+        counts.append(m["compilations"])
+        donated.append(m["donated_buffers"])
+
     with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
         torch_pjrt.reset_metrics()
-        tpu = _train("tpu", make_opt, 6, schedule=True,
-                     on_step=lambda i: counts.append(torch_pjrt.metrics()["compilations"]))
+        tpu = _train("tpu", make_opt, 6, schedule=True, on_step=on_step)
         m = torch_pjrt.metrics()
     torch.testing.assert_close(tpu, cpu, rtol=1e-4, atol=1e-6)
     assert counts[2:] == [counts[1]] * 4, counts
+    # Every step updates the 4 parameters (and optimizer state) in their own buffers.
+    steps = [b - a for a, b in zip(donated, donated[1:], strict=False)]
+    assert min(steps) >= 4, donated
     assert m["flushes"] >= 6 and m["ops_per_flush"] > 5
     assert m["fallback_calls"] == 0
 
 
-def test_mode_switch_mid_program_flushes_and_stays_correct():
+@pytest.fixture
+def from_strict():
+    """Mode-switch tests start in Strict whatever mode the suite runs in."""
+    with torch.tpu.set_eager_mode(EM.DEFER_NEVER):
+        yield
+
+
+def test_mode_switch_mid_program_flushes_and_stays_correct(from_strict):
     a = torch.randn(32, 32)
     b = torch.randn(32, 32)
     ref = ((a @ b).relu() * 2 + a).sum(0)
@@ -145,7 +172,7 @@ def test_intermediates_are_not_written_out():
 
 def _run_subprocess(code, **env):
     return subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True
+        [sys.executable, "-c", code], env={**_clean_env(), **env}, capture_output=True, text=True
     )
 
 

@@ -113,13 +113,23 @@ def metrics():
     disk_hits, with load_seconds), cache_hits, cache_misses, compile_seconds, executions,
     host_to_device_bytes, device_to_host_bytes, native_calls, fallback_calls,
     cached_programs, and ``ops``: {op name: (native calls, fallback calls)}.
+
+    ``compile`` (torch.compile): dynamo_graphs (distinct graphs Dynamo traced; one for all
+    lengths under dynamic shapes), compiled_graphs (programs captured: one per graph and
+    distinct input shape/layout), recompilations and, by reason, recompilations_new_shape,
+    recompilations_new_layout, recompilations_evicted, recompilations_released;
+    evicted_programs (over ``max_programs``), released_programs, live_programs (compiled
+    programs held now; not reset), graph_breaks, eager_graphs, eager_graph_calls,
+    dynamo_graph_breaks.
     """
     m = _C.metrics()
     m["compile"] = dict(_compile.counters)
+    m["compile"]["live_programs"] = _C.live_programs()
     try:
         from torch._dynamo.utils import counters as dynamo_counters
 
         m["compile"]["dynamo_graph_breaks"] = sum(dynamo_counters["graph_break"].values())
+        m["compile"]["dynamo_graphs"] = dynamo_counters["stats"]["unique_graphs"]
     except Exception:  # noqa: BLE001 - dynamo internals may move
         pass
     return m

@@ -7,10 +7,24 @@ through the DeferAndFuse recorder, so the Rust lowering rules build one StableHL
 compilation cache) and later calls replay it directly on the new inputs. A graph whose
 capture is interrupted (an op without a lowering falls back to the CPU, a value is read on
 the host) runs eagerly on tpu every call instead, and is counted in ``metrics()``.
+
+Dynamic shapes (``dynamic=True``, ``torch._dynamo.mark_dynamic``): Dynamo traces one symbolic
+graph for every length, and this backend keeps one program per graph *and concrete input
+layout*: each distinct length is captured and compiled once (forward and backward graphs
+separately), later calls with that length replay it. Inputs are not padded to buckets: the
+backend sees an arbitrary ATen graph and cannot tell whether padding a dimension changes
+its results (reductions or normalization over it, non-causal attention, mean losses,
+positional tables indexed by ``arange(T)``), so results stay exactly those of the
+unpadded call at the price of one compilation per distinct length. At most
+``options={"max_programs": N}`` programs (default 16) are kept per graph; the least recently
+used beyond that is freed and, if its length comes back, captured again (its XLA compilation
+then usually comes from the disk cache). ``torch._dynamo.reset()`` and garbage collection of
+a graph free its programs (executables and constants).
 """
 
 import collections
 import functools
+import weakref
 
 import torch
 from torch._dynamo import register_backend
@@ -30,7 +44,10 @@ KNOWN_OPTIONS = {
     "dump_stablehlo": "print each compiled graph's StableHLO",
     "decompositions": "'core' applies PyTorch's core ATen decompositions to ops without a "
                       "lowering rule (default 'none': measured 2x slower programs on XLA:CPU)",
+    "max_programs": "compiled programs kept per graph, one per distinct input shape/layout; "
+                    "the least recently used beyond it is freed (default 16; None: no limit)",
 }
+DEFAULT_MAX_PROGRAMS = 16
 
 counters = collections.Counter()
 
@@ -57,16 +74,89 @@ def _is_tpu(t):
     return isinstance(t, torch.Tensor) and t.device.type == "tpu"
 
 
-class _Graph:
-    """One AOTAutograd graph (forward or backward) and its compiled programs by input layout."""
+def _release(programs):
+    """Frees the compiled programs of one graph (values of ``_Graph.programs``)."""
+    for prog in programs.values():
+        if prog != "eager" and _C.release(prog[0]):
+            counters["released_programs"] += 1
+    programs.clear()
 
-    def __init__(self, gm, dump):
+
+# Every graph whose programs are alive, for torch._dynamo.reset().
+_LIVE = weakref.WeakSet()
+
+
+def _reset():
+    """Frees every graph's programs. Dynamo calls it from ``torch._dynamo.reset()``; a graph
+    still referenced (a pending backward) captures again if it is called."""
+    for g in list(_LIVE):
+        g.release()
+
+
+def _hook_reset():
+    """Makes the next ``torch._dynamo.reset()`` call ``_reset``: Dynamo resets only the
+    backends torch.compile was given since the last reset, and a graph can outlive one."""
+    try:
+        from torch._dynamo import eval_frame
+
+        eval_frame.cached_backends.setdefault(id(tpu_backend), tpu_backend)
+    except (ImportError, AttributeError):  # Dynamo internals may move
+        pass
+
+
+class _Graph:
+    """One AOTAutograd graph (forward or backward) and its compiled programs by input layout,
+    least recently used first."""
+
+    def __init__(self, gm, dump, max_programs=DEFAULT_MAX_PROGRAMS):
         # AOTAutograd passes the arguments as one list. An instance attribute, so that
         # functools.wraps (Dynamo's disable() around the backward) copies it.
         self._boxed_call = True
         self.gm = gm
         self.dump = dump
-        self.programs = {}
+        self.max_programs = max_programs
+        self.programs = collections.OrderedDict()
+        # Keys evicted or released, to name the reason when they come back (bounded).
+        self.dropped = collections.OrderedDict()
+        self.captures = 0
+        _LIVE.add(self)
+        # The finalizer holds the dict, not the graph; not at exit (the runtime may be gone).
+        weakref.finalize(self, _release, self.programs).atexit = False
+
+    def release(self, reason="released"):
+        for key in self.programs:
+            self._forget(key, reason)
+        _release(self.programs)
+
+    def _forget(self, key, reason):
+        self.dropped[key] = reason
+        self.dropped.move_to_end(key)
+        while len(self.dropped) > 4 * (self.max_programs or DEFAULT_MAX_PROGRAMS):
+            self.dropped.popitem(last=False)
+
+    def _evict(self):
+        while self.max_programs is not None and len(self.programs) > self.max_programs:
+            key, prog = self.programs.popitem(last=False)
+            self._forget(key, "evicted")
+            counters["evicted_programs"] += 1
+            _release({key: prog})
+
+    @staticmethod
+    def _shapes(key):
+        return tuple(k[1] if k[0] != "py" else k[2] for k in key)
+
+    def _note_recompile(self, key):
+        """Counts a new program for an already captured graph, by reason."""
+        if not self.captures:
+            return
+        counters["recompilations"] += 1
+        if key in self.dropped:
+            reason = self.dropped.pop(key)
+        elif self._shapes(key) in {self._shapes(k) for k in self.programs}:
+            reason = "new_layout"  # same shapes: strides, offset, storage size or aliasing
+        else:
+            reason = "new_shape"
+        counters[f"recompilations_{reason}"] += 1
 
     def _key(self, args):
         # A program reads each input's whole storage (its size is a parameter type), and
@@ -91,9 +181,12 @@ class _Graph:
         key = self._key(args)
         prog = self.programs.get(key)
         if prog is None:
-            if self.programs:
-                counters["recompilations"] += 1
-            return self._capture(key, args)
+            self._note_recompile(key)
+            self.captures += 1
+            res = self._capture(key, args)
+            self._evict()
+            return res
+        self.programs.move_to_end(key)
         if prog == "eager":
             counters["eager_graph_calls"] += 1
             return self.gm(*args)
@@ -127,6 +220,7 @@ class _Graph:
             return res
         pid, out_meta = r
         counters["compiled_graphs"] += 1
+        _hook_reset()
         if self.dump:
             print(_C.captured_mlir(pid))
         outs = [torch.empty(s, dtype=_FROM[d], device=f"tpu:{device}") for d, s in out_meta]
@@ -211,14 +305,21 @@ def tpu_backend(gm, example_inputs, mode=None, options=None, **kwargs):
     if decomp not in ("none", "core"):
         raise OptionError(f"torch.compile(backend='tpu'): decompositions must be 'none' or 'core', got {decomp!r}")
 
+    max_programs = options.get("max_programs", DEFAULT_MAX_PROGRAMS)
+    if max_programs is not None and (type(max_programs) is not int or max_programs < 1):
+        raise OptionError(
+            f"torch.compile(backend='tpu'): max_programs must be a positive int or None, got {max_programs!r}"
+        )
+
     def compiler(g, _inputs):
-        return _Graph(g, dump)
+        return _Graph(g, dump, max_programs)
 
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
                         decompositions=dict(_decompositions() if decomp == "core"
                                             else _required_decompositions()))(gm, example_inputs)
 
 
+tpu_backend.reset = _reset  # called by torch._dynamo.reset()
 register_backend(name="tpu", compiler_fn=tpu_backend)
 
 
@@ -256,6 +357,8 @@ def export_stablehlo(fn, *example_inputs):
     pid, out_meta = r
     outs = [torch.empty(s, dtype=_FROM[d], device=f"tpu:{device}") for d, s in out_meta]
     _C.take_outputs(pid, [o.untyped_storage().data_ptr() for o in outs])
+    if _last_export is not None:
+        _C.release(_last_export[0])  # only the last export's program is kept
     _last_export = (pid, tensors, outs)
     return _C.captured_mlir(pid)
 

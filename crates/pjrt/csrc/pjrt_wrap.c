@@ -407,9 +407,13 @@ pw_err* pw_exe_info(const void* a, void* exe, size_t* num_outputs, void* const**
   return e;
 }
 
-pw_err* pw_exe_execute(const void* a, void* exe, void* const* in, size_t num_args, void** outs) {
+pw_err* pw_exe_execute(const void* a, void* exe, void* const* in, size_t num_args, void** outs,
+                       const int64_t* keep, size_t num_keep) {
   API;
   ARGS(PJRT_ExecuteOptions, opts);
+  /* Inputs aliased to outputs are donated unless listed here. */
+  opts.non_donatable_input_indices = keep;
+  opts.num_non_donatable_input_indices = num_keep;
   PJRT_Buffer* const* arg_lists[1] = {(PJRT_Buffer* const*)in};
   PJRT_Buffer** out_lists[1] = {(PJRT_Buffer**)outs};
   ARGS(PJRT_LoadedExecutable_Execute_Args, args);

@@ -684,6 +684,12 @@ impl Executable {
     /// without waiting; a failure of the computation itself surfaces through
     /// [`Buffer::ready`] / [`Buffer::to_host`] of the outputs.
     pub fn execute(&self, inputs: &[&Buffer]) -> Result<Vec<Buffer>> {
+        self.execute_donating(inputs, &[])
+    }
+
+    /// `execute`, where inputs the program aliases to outputs are donated (their buffers
+    /// become invalid) except those listed in `keep`.
+    pub fn execute_donating(&self, inputs: &[&Buffer], keep: &[i64]) -> Result<Vec<Buffer>> {
         for (i, b) in inputs.iter().enumerate() {
             if !Arc::ptr_eq(&b.client, &self.client) {
                 return Err(invalid(format!("input {i} belongs to another client")));
@@ -700,8 +706,10 @@ impl Executable {
         let mut outs: Vec<ffi::Handle> = vec![ptr::null_mut(); self.num_outputs];
         let (api, a, o) = (self.client.api(), args.as_ptr(), outs.as_mut_ptr());
         // SAFETY: `args` are live buffers (borrowed by `inputs`) for the call;
-        // `outs` has room for num_outputs handles, which PJRT fills on success.
-        check(unsafe { ffi::pw_exe_execute(api, self.raw, a, args.len(), o) })?;
+        // `outs` has room for num_outputs handles, which PJRT fills on success; `keep`
+        // outlives the call.
+        let (k, nk) = (keep.as_ptr(), keep.len());
+        check(unsafe { ffi::pw_exe_execute(api, self.raw, a, args.len(), o, k, nk) })?;
         // Own every output first so that all are destroyed if one fails below.
         let mut bufs: Vec<Buffer> = outs
             .into_iter()

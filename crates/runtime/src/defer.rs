@@ -416,6 +416,20 @@ impl Runtime {
         // Output order must not depend on hashing, or the module text (the cache key) would.
         entries.sort_by_key(|e| (e.1, e.0));
         let outs: Vec<Value> = entries.iter().map(|e| e.1).collect();
+        // A storage the graph both reads (as a parameter) and rewrites (in-place updates of
+        // weights and optimizer state): its old buffer can hold the new value.
+        let mut graph = graph;
+        let mut aliased = Vec::new();
+        for (j, (key, v, dt, _)) in entries.iter().enumerate() {
+            if let Some((p, pdt, _)) = graph.params.get(key) {
+                if pdt == dt && graph.b.ty(*p) == graph.b.ty(*v) {
+                    if let Some(i) = graph.b.param_index(*p) {
+                        graph.b.alias(*p, j);
+                        aliased.push(i);
+                    }
+                }
+            }
+        }
         let main = graph.b.finish(&outs);
         if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
             eprintln!(
@@ -448,11 +462,24 @@ impl Runtime {
                 exe
             }
         };
+        // Donate an aliased input only if nothing but its storage and this graph holds the
+        // buffer (a view's storage, a captured graph or an unfinished op could still read it).
+        drop(graph.params);
+        self.forget_finished();
+        let keep: Vec<i64> = aliased
+            .iter()
+            .filter(|i| Arc::strong_count(&graph.inputs[**i]) > 2)
+            .map(|i| *i as i64)
+            .collect();
+        let donated = aliased.len() - keep.len();
         let refs: Vec<&pjrt::Buffer> = graph.inputs.iter().map(|b| b.as_ref()).collect();
-        let bufs = exe.execute(&refs)?;
+        let bufs = exe.execute_donating(&refs, &keep)?;
         self.metrics
             .executions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics
+            .donated_buffers
+            .fetch_add(donated as u64, std::sync::atomic::Ordering::Relaxed);
         self.metrics.flushed(graph.ops, reason);
         let bufs: Vec<Arc<pjrt::Buffer>> = bufs.into_iter().map(Arc::new).collect();
         self.track("deferred graph", &bufs);

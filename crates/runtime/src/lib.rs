@@ -232,6 +232,12 @@ impl Runtime {
         }
     }
 
+    /// Drops tracked buffers that finished without error (they need no check at sync).
+    pub(crate) fn forget_finished(&self) {
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        p.retain(|(_, b)| !matches!(b.is_ready_nonblocking(), Ok(true)) || b.ready().is_err());
+    }
+
     /// Runs pending graphs and waits for every op issued so far; raises the first
     /// asynchronous failure, naming its op.
     pub fn synchronize(&self) -> Result<()> {

@@ -27,6 +27,8 @@ pub struct Metrics {
     pub deferred_compilations: AtomicU64,
     pub flushes: AtomicU64,
     pub flushed_ops: AtomicU64,
+    /// Input buffers a deferred graph reused for its outputs (in-place updates).
+    pub donated_buffers: AtomicU64,
     flush_reasons: Mutex<BTreeMap<String, u64>>,
 }
 
@@ -112,6 +114,7 @@ impl Metrics {
                 "ops_per_flush",
                 g(&self.flushed_ops) / g(&self.flushes).max(1.0),
             ),
+            ("donated_buffers", g(&self.donated_buffers)),
         ];
         let flush_reasons = self
             .flush_reasons
@@ -145,6 +148,7 @@ impl Metrics {
             &self.deferred_compilations,
             &self.flushes,
             &self.flushed_ops,
+            &self.donated_buffers,
         ] {
             a.store(0, Ordering::Relaxed);
         }

@@ -173,6 +173,8 @@ pub struct Builder {
     params: Vec<Value>,
     /// Stack of line buffers: the bottom one is the function body, the others are regions.
     bodies: Vec<String>,
+    /// Parameters whose buffer may be reused for an output: (parameter, output index).
+    aliases: Vec<(Value, usize)>,
 }
 
 impl Default for Builder {
@@ -201,6 +203,7 @@ impl Builder {
             types: Vec::new(),
             params: Vec::new(),
             bodies: vec![String::new()],
+            aliases: Vec::new(),
         }
     }
 
@@ -244,6 +247,16 @@ impl Builder {
         self.bodies[0].truncate(cp.body);
         self.params.truncate(cp.params);
         self.types.truncate(cp.types);
+    }
+
+    /// Lets XLA write output `output` into parameter `param`'s buffer (the caller donates it).
+    pub fn alias(&mut self, param: Value, output: usize) {
+        self.aliases.push((param, output));
+    }
+
+    /// Position of `v` among the parameters.
+    pub fn param_index(&self, v: Value) -> Option<usize> {
+        self.params.iter().position(|p| *p == v)
     }
 
     /// Adds a function parameter.
@@ -344,7 +357,13 @@ impl Builder {
         let params: Vec<String> = self
             .params
             .iter()
-            .map(|v| format!("{}: {}", Self::name(*v), self.ty(*v).mlir()))
+            .map(|v| {
+                let mut p = format!("{}: {}", Self::name(*v), self.ty(*v).mlir());
+                if let Some((_, o)) = self.aliases.iter().find(|(a, _)| a == v) {
+                    let _ = write!(p, " {{tf.aliasing_output = {o} : i32}}");
+                }
+                p
+            })
             .collect();
         let rets: Vec<String> = outputs.iter().map(|v| self.ty(*v).mlir()).collect();
         let names: Vec<String> = outputs.iter().map(|v| Self::name(*v)).collect();

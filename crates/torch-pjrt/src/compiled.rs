@@ -1,6 +1,8 @@
 //! torch.compile support: capture a graph's ops once (through the DeferAndFuse recorder and
 //! the same lowering rules), then replay the compiled program on new inputs.
 
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::PyRuntimeError;
@@ -23,7 +25,30 @@ struct Entry {
     first: Mutex<Option<SendHandles>>,
 }
 
-static PROGRAMS: Mutex<Vec<Arc<Entry>>> = Mutex::new(Vec::new());
+impl Drop for Entry {
+    fn drop(&mut self) {
+        // First results nobody took, then the executable's place in the program cache;
+        // the constants and the executable itself go with `captured`.
+        let first = self.first.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(SendHandles(handles)) = first.take() {
+            for (h, _, _) in handles {
+                // SAFETY: fresh boxes nobody else owns.
+                drop(unsafe { Storage::from_handle(h) });
+            }
+        }
+        if let Ok(rt) = runtime::get() {
+            rt.release_captured(&self.captured);
+        }
+    }
+}
+
+/// Live compiled graphs by id; ids are never reused.
+static PROGRAMS: Mutex<BTreeMap<usize, Arc<Entry>>> = Mutex::new(BTreeMap::new());
+static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
+
+fn programs() -> std::sync::MutexGuard<'static, BTreeMap<usize, Arc<Entry>>> {
+    PROGRAMS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 fn err(e: runtime::Error) -> PyErr {
     PyRuntimeError::new_err(e.msg)
@@ -49,10 +74,8 @@ fn tensor(m: &Meta, device: usize) -> TensorRef {
 }
 
 fn entry(id: usize) -> PyResult<Arc<Entry>> {
-    PROGRAMS
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .get(id)
+    programs()
+        .get(&id)
         .cloned()
         .ok_or_else(|| PyRuntimeError::new_err(format!("no compiled graph {id}")))
 }
@@ -111,12 +134,30 @@ fn capture_end(
         .iter()
         .map(|(d, s)| (dtype_to_c10(*d), s.clone()))
         .collect();
-    let mut progs = PROGRAMS.lock().unwrap_or_else(|e| e.into_inner());
-    progs.push(Arc::new(Entry {
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let e = Arc::new(Entry {
         captured,
         first: Mutex::new(Some(SendHandles(handles))),
-    }));
-    Ok(Some((progs.len() - 1, meta)))
+    });
+    programs().insert(id, e);
+    Ok(Some((id, meta)))
+}
+
+/// Frees a compiled graph (its executable, constants and untaken first results) once no
+/// replay still runs it; returns whether it was live.
+#[pyfunction]
+fn release(py: Python<'_>, id: usize) -> bool {
+    let e = programs().remove(&id);
+    let live = e.is_some();
+    // Dropped outside the table's lock; PJRT frees the buffers without the GIL.
+    py.allow_threads(|| drop(e));
+    live
+}
+
+/// The number of compiled graphs not yet released.
+#[pyfunction]
+fn live_programs() -> usize {
+    programs().len()
 }
 
 /// Delivers the capture's first results into freshly allocated output tensors.
@@ -219,5 +260,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(captured_mlir, m)?)?;
     m.add_function(wrap_pyfunction!(run_mlir, m)?)?;
     m.add_function(wrap_pyfunction!(captured_inputs, m)?)?;
+    m.add_function(wrap_pyfunction!(release, m)?)?;
+    m.add_function(wrap_pyfunction!(live_programs, m)?)?;
     Ok(())
 }
