@@ -142,9 +142,7 @@ FAILING_INPLACE = {
     "logical_and_": lambda x: x.view(3, 1).logical_and_(torch.ones(3, 3, device=x.device)),
     "clamp_": lambda x: x.clamp_(min=torch.ones(4, device=x.device)),
 }
-FAILING_XFAIL = {
-    "logical_and_": "BUG: x.logical_and_(y) resizes x to the broadcast shape instead of raising",
-}
+FAILING_XFAIL = {}
 
 
 @pytest.mark.parametrize("name", [

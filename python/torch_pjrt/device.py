@@ -2,6 +2,7 @@
 
 import contextlib
 import enum
+import struct
 import sys
 import types
 
@@ -21,6 +22,10 @@ __all__ = [
     "manual_seed_all",
     "initial_seed",
     "seed",
+    "get_rng_state",
+    "set_rng_state",
+    "get_rng_state_all",
+    "set_rng_state_all",
     "is_initialized",
     "EagerMode",
     "set_eager_mode",
@@ -164,6 +169,32 @@ def seed():
 
 def initial_seed():
     return _C.initial_seed(current_device())
+
+
+def get_rng_state(device="tpu"):
+    """The default generator's state of `device`: a CPU uint8 tensor (seed, offset)."""
+    seed, offset = _C.rng_state(_index(device))
+    return torch.frombuffer(bytearray(struct.pack("<qq", seed, offset)), dtype=torch.uint8)
+
+
+def set_rng_state(new_state, device="tpu"):
+    """Restores a state from `get_rng_state`."""
+    if not isinstance(new_state, torch.Tensor) or new_state.dtype != torch.uint8:
+        raise TypeError("set_rng_state expects a torch.ByteTensor from get_rng_state")
+    data = bytes(new_state.cpu().contiguous().tolist())
+    if len(data) != 16:
+        raise RuntimeError(f"RNG state is wrong size: expected 16 bytes, got {len(data)}")
+    seed, offset = struct.unpack("<qq", data)
+    _C.set_rng_state(_index(device), seed, offset)
+
+
+def get_rng_state_all():
+    return [get_rng_state(i) for i in range(device_count())]
+
+
+def set_rng_state_all(new_states):
+    for i, state in enumerate(new_states):
+        set_rng_state(state, i)
 
 
 def get_amp_supported_dtype():

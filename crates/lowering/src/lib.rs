@@ -66,6 +66,9 @@ pub struct Ctx<'a> {
     pub writes: Vec<(String, Value)>,
     /// Dtypes of the `out=` tensors (factories like `arange.out` compute in them).
     pub out_dtypes: Vec<DType>,
+    /// Tensor arguments whose memory layout is not contiguous (the few CPU kernels whose
+    /// results depend on strides, like det's LU factors, follow them).
+    pub strided: Vec<String>,
 }
 
 impl<'a> Ctx<'a> {
@@ -79,7 +82,13 @@ impl<'a> Ctx<'a> {
             rng_consumed: 0,
             writes: Vec::new(),
             out_dtypes: Vec::new(),
+            strided: Vec::new(),
         }
+    }
+
+    /// Whether tensor argument `name` is laid out contiguously.
+    pub fn is_contiguous(&self, name: &str) -> bool {
+        !self.strided.iter().any(|n| n == name)
     }
 
     /// The value of tensor argument `name`.

@@ -557,6 +557,11 @@ pub(crate) fn lower_into(
         .filter(|(p, _)| params[p.0].is_out)
         .filter_map(|(_, t)| t.dtype)
         .collect();
+    ctx.strided = tensors(params)
+        .iter()
+        .filter(|(p, t)| p.1.is_none() && !t.view.is_contiguous())
+        .map(|(p, _)| params[p.0].name.clone())
+        .collect();
     let outs = match rule(&mut ctx) {
         Ok(o) => o,
         Err(e) => return Ok(LowerOutcome::Declined(user(e)?)),
@@ -645,7 +650,15 @@ pub(crate) fn lower_into(
         let t = tensor_at(params, *path);
         let vt = b.ty(*v).clone();
         if vt.shape != t.view.sizes {
-            if params[path.0].is_out && path.1.is_none() {
+            // An out= tensor that is also an input (x.logical_and_(y) arrives as
+            // logical_and.out(x, y, out=x)) is never resized: PyTorch raises.
+            let is_input = |(q, u): &(Path, &TensorRef)| {
+                !params[q.0].is_out
+                    && u.view == t.view
+                    && matches!((u.loc, t.loc), (Loc::Device(a), Loc::Device(b)) if a == b)
+            };
+            if params[path.0].is_out && path.1.is_none() && !tensors(params).iter().any(is_input)
+            {
                 resize.push((path.0, vt.shape.clone()));
                 continue;
             }

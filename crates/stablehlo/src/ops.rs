@@ -811,3 +811,21 @@ impl Builder {
         self.op_regions("stablehlo.while", init, &[c, r], "", &tys)
     }
 }
+
+impl Builder {
+    /// A `custom_call` of `target` with a string `backend_config` (API version 1), for the
+    /// calls XLA's compiler expands itself ("Qr", "Eigh",
+    /// "ProductOfElementaryHouseholderReflectors").
+    pub fn custom_call(
+        &mut self,
+        target: &str,
+        operands: &[Value],
+        backend_config: &str,
+        results: &[TensorType],
+    ) -> Vec<Value> {
+        let attrs = format!(
+            "call_target_name = \"{target}\", backend_config = \"{backend_config}\", api_version = 1 : i32"
+        );
+        self.op_regions("stablehlo.custom_call", operands, &[], &attrs, results)
+    }
+}

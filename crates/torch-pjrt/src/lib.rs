@@ -130,6 +130,35 @@ fn initial_seed(device: i32) -> u64 {
     unsafe { tpu_shim_initial_seed(device) }
 }
 
+/// The default generator's [seed, offset] of a device (get_rng_state).
+#[pyfunction]
+fn rng_state(device: i32) -> PyResult<(i64, i64)> {
+    // SAFETY: the shim returns the live state of the device's default generator (never
+    // freed), or null for an index out of range.
+    let p = unsafe { tpu_shim_generator_state(device) };
+    if p.is_null() {
+        return Err(PyRuntimeError::new_err(format!("invalid tpu device {device}")));
+    }
+    // SAFETY: `p` points at two i64 (see above).
+    Ok(unsafe { (*p, *p.add(1)) })
+}
+
+/// Restores a device's default generator (set_rng_state).
+#[pyfunction]
+fn set_rng_state(device: i32, seed: i64, offset: i64) -> PyResult<()> {
+    // SAFETY: as in `rng_state`.
+    let p = unsafe { tpu_shim_generator_state(device) };
+    if p.is_null() {
+        return Err(PyRuntimeError::new_err(format!("invalid tpu device {device}")));
+    }
+    // SAFETY: `p` points at two i64; ops read them on the Python thread only.
+    unsafe {
+        *p = seed;
+        *p.add(1) = offset;
+    }
+    Ok(())
+}
+
 #[pyfunction]
 fn set_fallback_enabled(on: bool) {
     ffi::FALLBACK_ENABLED.store(on, Ordering::Relaxed);
@@ -270,6 +299,8 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(synchronize, m)?)?;
     m.add_function(wrap_pyfunction!(manual_seed, m)?)?;
     m.add_function(wrap_pyfunction!(initial_seed, m)?)?;
+    m.add_function(wrap_pyfunction!(rng_state, m)?)?;
+    m.add_function(wrap_pyfunction!(set_rng_state, m)?)?;
     m.add_function(wrap_pyfunction!(set_fallback_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(fallback_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(metrics, m)?)?;

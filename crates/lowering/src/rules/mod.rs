@@ -10,6 +10,7 @@ use crate::promote::{result_type, Operand};
 use crate::shape::broadcast_all;
 use crate::{Builder, Ctx, DType, LResult, Rule, TensorArg, Value};
 
+pub mod decomp;
 pub mod foreach;
 pub mod index;
 pub mod linalg;
@@ -33,6 +34,7 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         foreach::RULES,
         special::RULES,
         sorting::RULES,
+        decomp::RULES,
     ]
 }
 

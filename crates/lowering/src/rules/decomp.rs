@@ -1,0 +1,1645 @@
+//! Matrix decompositions. LU with partial pivoting is a `while` loop over columns in
+//! LAPACK's getf2 order (so pivots match the CPU's), and solve, inverse, det and slogdet
+//! build on it. QR, Householder products and the symmetric eigendecomposition are custom
+//! calls XLA's compiler expands itself ("Qr", "ProductOfElementaryHouseholderReflectors",
+//! "Eigh"). SVD is one-sided Jacobi (Hestenes) with a round-robin pair ordering, U then
+//! comes from a QR of the orthogonalized columns (which also completes it).
+//!
+//! Checks that need the data (pivots out of range in lu_unpack/lu_solve, `check_errors`)
+//! are not made: the first makes garbage instead of an error, the second declines.
+
+use stablehlo::{CmpDir, ReduceKind};
+
+use crate::promote::torch_name;
+use crate::shape::{broadcast_shapes, numel, shape_str};
+use crate::{
+    decline, user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, TensorType,
+    Value,
+};
+
+// ---------------------------------------------------------------------------
+// Argument checks (PyTorch's messages)
+// ---------------------------------------------------------------------------
+
+fn tensor(c: &Ctx, name: &str) -> LResult<TensorArg> {
+    Ok(c.args.tensor(name)?.clone())
+}
+
+fn is_half(d: DType) -> bool {
+    matches!(d, DType::F16 | DType::BF16)
+}
+
+fn need_matrix(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
+    if shape.len() < 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("{op}: The input tensor {what} must have at least 2 dimensions."),
+        );
+    }
+    Ok(())
+}
+
+fn need_square(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
+    need_matrix(op, what, shape)?;
+    let (m, n) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+    if m != n {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{op}: {what} must be batches of square matrices, but they are {m} by {n} matrices"
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// The linalg frontends' dtype check (half types are left to `need_kernel`/`no_half`).
+fn need_float(op: &str, d: DType) -> LResult<()> {
+    if !d.is_float() {
+        return user_err(
+            ErrorKind::NotImplemented,
+            format!(
+                "{op}: Expected a floating point or complex tensor as input. Got {}",
+                torch_name(d)
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// The dtype dispatch of the CPU kernel `kernel` (float32/float64 only).
+fn need_kernel(kernel: &str, d: DType) -> LResult<()> {
+    if !d.is_float() || is_half(d) {
+        return user_err(
+            ErrorKind::NotImplemented,
+            format!("\"{kernel}\" not implemented for '{}'", torch_name(d)),
+        );
+    }
+    Ok(())
+}
+
+fn no_half(op: &str, d: DType) -> LResult<()> {
+    if is_half(d) {
+        return user_err(
+            ErrorKind::NotImplemented,
+            format!(
+                "{op}: Low precision dtypes not supported. Got {}",
+                torch_name(d)
+            ),
+        );
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Shape and index helpers
+// ---------------------------------------------------------------------------
+
+/// (batch dims, rows, cols) of a batched matrix shape.
+fn split(shape: &[i64]) -> (Vec<i64>, i64, i64) {
+    let r = shape.len();
+    (shape[..r - 2].to_vec(), shape[r - 2], shape[r - 1])
+}
+
+fn cat(a: &[i64], b: &[i64]) -> Vec<i64> {
+    let mut v = a.to_vec();
+    v.extend_from_slice(b);
+    v
+}
+
+fn upto(n: usize) -> Vec<i64> {
+    (0..n as i64).collect()
+}
+
+fn i32c(b: &mut Builder, v: i64) -> Value {
+    b.constant(DType::I32, v as f64)
+}
+
+/// `x` [batch..., v] broadcast to `shape` [batch..., p, q], its last dim on `dim`.
+fn along(b: &mut Builder, x: Value, shape: &[i64], dim: usize) -> Value {
+    let mut dims = upto(b.rank(x) - 1);
+    dims.push(dim as i64);
+    b.broadcast_in_dim(x, shape, &dims)
+}
+
+/// `x` [batch...] broadcast over the trailing dims of `shape`.
+fn per_batch(b: &mut Builder, x: Value, shape: &[i64]) -> Value {
+    let dims = upto(b.rank(x));
+    b.broadcast_in_dim(x, shape, &dims)
+}
+
+/// Swaps the last two dims.
+fn mt(b: &mut Builder, x: Value) -> Value {
+    let r = b.rank(x);
+    let mut p = upto(r);
+    p.swap(r - 2, r - 1);
+    b.transpose(x, &p)
+}
+
+/// Identity matrices [batch..., m, n] of `dtype`.
+fn eye(b: &mut Builder, dtype: DType, batch: &[i64], m: i64, n: i64) -> Value {
+    let s = cat(batch, &[m, n]);
+    let r = s.len();
+    let i = b.iota(DType::I32, &s, r - 2);
+    let j = b.iota(DType::I32, &s, r - 1);
+    let e = b.compare(i, j, CmpDir::Eq);
+    b.convert(e, dtype)
+}
+
+/// Mask of `shape` [..., m, n]: col - row <= k (`lower`) or >= k.
+fn band(b: &mut Builder, shape: &[i64], lower: bool, k: i64) -> Value {
+    let r = shape.len();
+    let i = b.iota(DType::I32, shape, r - 2);
+    let j = b.iota(DType::I32, shape, r - 1);
+    let d = b.sub(j, i);
+    let kk = b.full(DType::I32, shape, k as f64);
+    b.compare(d, kk, if lower { CmpDir::Le } else { CmpDir::Ge })
+}
+
+/// `x` with the elements outside the band zeroed (tril with `lower`, else triu).
+fn tri(b: &mut Builder, x: Value, lower: bool, k: i64) -> Value {
+    let s = b.shape(x);
+    let keep = band(b, &s, lower, k);
+    let z = b.splat(x, 0.0);
+    b.select(keep, x, z)
+}
+
+/// The main diagonal [batch..., min(m, n)].
+fn diagonal(b: &mut Builder, x: Value) -> Value {
+    let s = b.shape(x);
+    let (batch, m, n) = split(&s);
+    let k = m.min(n);
+    let r = s.len();
+    let sq = b.slice_dim(x, r - 2, 0, k, 1);
+    let sq = b.slice_dim(sq, r - 1, 0, k, 1);
+    let e = eye(b, DType::Bool, &batch, k, k);
+    let z = b.splat(sq, 0.0);
+    let d = b.select(e, sq, z);
+    b.reduce(d, &[r as i64 - 1], ReduceKind::Sum)
+}
+
+/// `x` with entry `j` (0-d i32) of dim `dim` taken out (that dim dropped).
+fn take(b: &mut Builder, x: Value, dim: usize, j: Value) -> Value {
+    let shape = b.shape(x);
+    let z = i32c(b, 0);
+    let mut starts = vec![z; shape.len()];
+    starts[dim] = j;
+    let mut sizes = shape.clone();
+    sizes[dim] = 1;
+    let s = b.dynamic_slice(x, &starts, &sizes);
+    let mut out = shape;
+    out.remove(dim);
+    b.reshape(s, &out)
+}
+
+/// Swaps, in every batch, entry `j` (0-d i32) with entry `p` ([batch] i32) along `dim`, the
+/// first dim after the batch dims.
+fn swap(b: &mut Builder, x: Value, dim: usize, j: Value, p: Value) -> Value {
+    let shape = b.shape(x);
+    let idx = b.iota(DType::I32, &shape, dim);
+    let jb = b.broadcast_in_dim(j, &shape, &[]);
+    let pb = per_batch(b, p, &shape);
+    let at_j = b.compare(idx, jb, CmpDir::Eq);
+    let at_p = b.compare(idx, pb, CmpDir::Eq);
+    let row_j = take(b, x, dim, j);
+    let z = b.splat(x, 0.0);
+    let only_p = b.select(at_p, x, z);
+    let row_p = b.reduce(only_p, &[dim as i64], ReduceKind::Sum);
+    let rest: Vec<i64> = (0..shape.len() as i64)
+        .filter(|d| *d != dim as i64)
+        .collect();
+    let row_j = b.broadcast_in_dim(row_j, &shape, &rest);
+    let row_p = b.broadcast_in_dim(row_p, &shape, &rest);
+    let x = b.select(at_p, row_j, x);
+    b.select(at_j, row_p, x)
+}
+
+/// Rows of `x` [batch..., m, q] picked per batch by `idx` [batch..., m] (i32):
+/// out[.., i, :] = x[.., idx[i], :].
+fn gather_rows(b: &mut Builder, x: Value, idx: Value) -> Value {
+    let shape = b.shape(x);
+    let (batch, m, q) = split(&shape);
+    let nbt = numel(&batch);
+    if nbt * m * q == 0 {
+        return x;
+    }
+    let flat = b.reshape(x, &[nbt * m, q]);
+    let idx = b.reshape(idx, &[nbt, m]);
+    let base = b.iota(DType::I32, &[nbt, m], 0);
+    let mm = b.full(DType::I32, &[nbt, m], m as f64);
+    let base = b.mul(base, mm);
+    let idx = b.add(idx, base);
+    let idx = b.reshape(idx, &[nbt * m, 1]);
+    let g = b.gather(flat, idx, &[1], &[0], &[0], 1, &[1, q]);
+    b.reshape(g, &shape)
+}
+
+/// Columns of `x` [batch..., p, m] picked per batch by `idx` [batch..., m].
+fn gather_cols(b: &mut Builder, x: Value, idx: Value) -> Value {
+    let t = mt(b, x);
+    let g = gather_rows(b, t, idx);
+    mt(b, g)
+}
+
+/// The inverse of permutations `perm` [batch..., m] (i32).
+fn inverse_perm(b: &mut Builder, perm: Value) -> Value {
+    let shape = b.shape(perm);
+    let dim = shape.len() - 1;
+    let idx = b.iota(DType::I32, &shape, dim);
+    let r = b.sort(&[perm, idx], dim, false, |b, a| {
+        b.compare(a[0], a[1], CmpDir::Lt)
+    });
+    r[1]
+}
+
+// ---------------------------------------------------------------------------
+// LU
+// ---------------------------------------------------------------------------
+
+/// LU with partial pivoting of `a` [batch..., m, n]: (LU packed as LAPACK packs it,
+/// pivots [batch..., min(m, n)] i32 1-based, info [batch...] i32, perm [batch..., m] i32)
+/// where row i of P^T A is row perm[i] of A.
+fn lu_factor(b: &mut Builder, a: Value) -> (Value, Value, Value, Value) {
+    let shape = b.shape(a);
+    let (batch, m, n) = split(&shape);
+    let nb = batch.len();
+    let k = m.min(n);
+    let perm = b.iota(DType::I32, &cat(&batch, &[m]), nb);
+    let piv = b.iota(DType::I32, &cat(&batch, &[k]), nb);
+    let one = b.splat(piv, 1.0);
+    let piv = b.add(piv, one);
+    let info = b.full(DType::I32, &batch, 0.0);
+    if k == 0 || numel(&batch) == 0 {
+        return (a, piv, info, perm);
+    }
+    let j = i32c(b, 0);
+    let out = b.while_loop(
+        &[j, a, piv, info, perm],
+        |b, v| {
+            let lim = i32c(b, k);
+            b.compare(v[0], lim, CmpDir::Lt)
+        },
+        lu_step,
+    );
+    (out[1], out[2], out[3], out[4])
+}
+
+/// One column of `lu_factor`: carried (j, a, pivots, info, perm).
+fn lu_step(b: &mut Builder, v: &[Value]) -> Vec<Value> {
+    let (j, a, piv, info, perm) = (v[0], v[1], v[2], v[3], v[4]);
+    let shape = b.shape(a);
+    let (batch, m, _) = split(&shape);
+    let nb = batch.len();
+    let vshape = cat(&batch, &[m]);
+    // Pivot as LAPACK's idamax picks it: the first row at or below j with the largest
+    // |a[., j]|, where NaN never wins unless it is a[j, j] itself.
+    let col = take(b, a, nb + 1, j);
+    let rows = b.iota(DType::I32, &vshape, nb);
+    let jv = b.broadcast_in_dim(j, &vshape, &[]);
+    let cand = b.compare(rows, jv, CmpDir::Ge);
+    let mag = b.abs(col);
+    let num = b.compare(mag, mag, CmpDir::Eq);
+    let nan_rank = b.splat(mag, -1.0);
+    let mag = b.select(num, mag, nan_rank);
+    let above = b.splat(mag, -2.0);
+    let mag = b.select(cand, mag, above);
+    let best = b.reduce(mag, &[nb as i64], ReduceKind::Max);
+    let best = per_batch(b, best, &vshape);
+    let is_best = b.compare(mag, best, CmpDir::Eq);
+    let past = b.full(DType::I32, &vshape, m as f64);
+    let at = b.select(is_best, rows, past);
+    let p = b.reduce(at, &[nb as i64], ReduceKind::Min);
+    let djj = take(b, col, nb, j);
+    let djj_nan = b.compare(djj, djj, CmpDir::Ne);
+    let jb = b.broadcast_in_dim(j, &batch, &[]);
+    let p = b.select(djj_nan, jb, p);
+    let a = swap(b, a, nb, j, p);
+    let perm = swap(b, perm, nb, j, p);
+    // pivots[j] = p + 1
+    let pshape = b.shape(piv);
+    let kidx = b.iota(DType::I32, &pshape, nb);
+    let jk = b.broadcast_in_dim(j, &pshape, &[]);
+    let here = b.compare(kidx, jk, CmpDir::Eq);
+    let one = b.splat(p, 1.0);
+    let p1 = b.add(p, one);
+    let p1 = per_batch(b, p1, &pshape);
+    let piv = b.select(here, p1, piv);
+    // Eliminate below the pivot. A zero pivot leaves its column unscaled (as getf2 does)
+    // and sets info to j + 1 if it is the first.
+    let row = take(b, a, nb, j);
+    let col = take(b, a, nb + 1, j);
+    let d = take(b, row, nb, j);
+    let dz0 = b.splat(d, 0.0);
+    let dz = b.compare(d, dz0, CmpDir::Eq);
+    let iz = b.splat(info, 0.0);
+    let unset = b.compare(info, iz, CmpDir::Eq);
+    let first = b.and(unset, dz);
+    let one = i32c(b, 1);
+    let j1 = b.add(j, one);
+    let j1b = b.broadcast_in_dim(j1, &batch, &[]);
+    let info = b.select(first, j1b, info);
+    let dv = per_batch(b, d, &vshape);
+    let l = b.div(col, dv);
+    let dzv = per_batch(b, dz, &vshape);
+    let l = b.select(dzv, col, l);
+    let below = b.compare(rows, jv, CmpDir::Gt);
+    let l = b.select(below, l, col);
+    let lm = along(b, l, &shape, nb);
+    let um = along(b, row, &shape, nb + 1);
+    let ri = b.iota(DType::I32, &shape, nb);
+    let ci = b.iota(DType::I32, &shape, nb + 1);
+    let jm = b.broadcast_in_dim(j, &shape, &[]);
+    let below = b.compare(ri, jm, CmpDir::Gt);
+    let right = b.compare(ci, jm, CmpDir::Gt);
+    let at_col = b.compare(ci, jm, CmpDir::Eq);
+    let prod = b.mul(lm, um);
+    let upd = b.sub(a, prod);
+    let trail = b.and(below, right);
+    let a = b.select(trail, upd, a);
+    let a = b.select(at_col, lm, a);
+    vec![j1, a, piv, info, perm]
+}
+
+/// The LU factors det and slogdet return: the CPU factors A^T when A is contiguous (saving
+/// a copy for LAPACK), A itself otherwise, and their backward expects the same choice.
+fn det_lu(c: &mut Ctx, a: Value) -> (Value, Value, Value, Value) {
+    let contiguous = c.is_contiguous("A");
+    let b = &mut *c.b;
+    let x = if contiguous { mt(b, a) } else { a };
+    lu_factor(b, x)
+}
+
+/// The row permutation [batch..., m] LAPACK's `pivots` [batch..., k] describe (swaps of
+/// row j with row pivots[j] - 1, in order).
+fn perm_from_pivots(b: &mut Builder, piv: Value, m: i64) -> Value {
+    let pshape = b.shape(piv);
+    let nb = pshape.len() - 1;
+    let k = pshape[nb];
+    let batch = &pshape[..nb];
+    let perm = b.iota(DType::I32, &cat(batch, &[m]), nb);
+    if k == 0 || m == 0 || numel(batch) == 0 {
+        return perm;
+    }
+    let j = i32c(b, 0);
+    let out = b.while_loop(
+        &[j, piv, perm],
+        |b, v| {
+            let lim = i32c(b, k);
+            b.compare(v[0], lim, CmpDir::Lt)
+        },
+        |b, v| {
+            let (j, piv, perm) = (v[0], v[1], v[2]);
+            let p = take(b, piv, nb, j);
+            let one = b.splat(p, 1.0);
+            let p = b.sub(p, one);
+            let perm = swap(b, perm, nb, j, p);
+            let one = i32c(b, 1);
+            vec![b.add(j, one), piv, perm]
+        },
+    );
+    out[2]
+}
+
+/// Permutation matrices P [batch..., m, m] of `dtype` with A = P L U: P[perm[i], i] = 1.
+fn perm_matrix(b: &mut Builder, perm: Value, dtype: DType) -> Value {
+    let ps = b.shape(perm);
+    let m = ps[ps.len() - 1];
+    let shape = cat(&ps, &[m]);
+    let r = shape.len();
+    let pb = along(b, perm, &shape, r - 1);
+    let rows = b.iota(DType::I32, &shape, r - 2);
+    let e = b.compare(pb, rows, CmpDir::Eq);
+    b.convert(e, dtype)
+}
+
+/// L [.., m, k] (unit diagonal) and U [.., k, n] out of packed factors.
+fn unpack_lu(b: &mut Builder, lu: Value) -> (Value, Value) {
+    let shape = b.shape(lu);
+    let (batch, m, n) = split(&shape);
+    let k = m.min(n);
+    let r = shape.len();
+    let left = b.slice_dim(lu, r - 1, 0, k, 1);
+    let l = tri(b, left, true, -1);
+    let e = eye(b, DType::Bool, &batch, m, k);
+    let one = b.splat(l, 1.0);
+    let l = b.select(e, one, l);
+    let top = b.slice_dim(lu, r - 2, 0, k, 1);
+    let u = tri(b, top, false, 0);
+    (l, u)
+}
+
+fn trsm(b: &mut Builder, a: Value, rhs: Value, lower: bool, unit: bool, transpose: bool) -> Value {
+    b.triangular_solve(a, rhs, true, lower, unit, transpose)
+}
+
+/// X with A X = B (or A^T X = B with `adjoint`), A = P L U given by its packed factors
+/// `lu` and `perm`, all with B's batch dims.
+fn lu_solve_left(b: &mut Builder, lu: Value, perm: Value, rhs: Value, adjoint: bool) -> Value {
+    if numel(&b.shape(rhs)) == 0 {
+        return rhs;
+    }
+    if !adjoint {
+        let y = gather_rows(b, rhs, perm);
+        let y = trsm(b, lu, y, true, true, false);
+        trsm(b, lu, y, false, false, false)
+    } else {
+        let z = trsm(b, lu, rhs, false, false, true);
+        let w = trsm(b, lu, z, true, true, true);
+        let inv = inverse_perm(b, perm);
+        gather_rows(b, w, inv)
+    }
+}
+
+/// Solves op(A) X = B (`left`) or X op(A) = B; `lu`/`perm` are broadcast to B's batch.
+fn lu_solve_values(
+    b: &mut Builder,
+    lu: Value,
+    perm: Value,
+    rhs: Value,
+    left: bool,
+    adjoint: bool,
+) -> Value {
+    let rs = b.shape(rhs);
+    let (batch, _, _) = split(&rs);
+    let ls = b.shape(lu);
+    let n = ls[ls.len() - 1];
+    let lu = b.broadcast_to(lu, &cat(&batch, &[n, n]));
+    let perm = b.broadcast_to(perm, &cat(&batch, &[n]));
+    if left {
+        return lu_solve_left(b, lu, perm, rhs, adjoint);
+    }
+    // X A = B  <=>  A^T X^T = B^T
+    let rt = mt(b, rhs);
+    let x = lu_solve_left(b, lu, perm, rt, !adjoint);
+    mt(b, x)
+}
+
+/// +-1 [batch...] of `dtype`: the sign of the permutation `pivots` describe.
+fn perm_sign(b: &mut Builder, piv: Value, dtype: DType) -> Value {
+    let shape = b.shape(piv);
+    let dim = shape.len() - 1;
+    let idx = b.iota(DType::I32, &shape, dim);
+    let one = b.splat(idx, 1.0);
+    let idx = b.add(idx, one);
+    let moved = b.compare(piv, idx, CmpDir::Ne);
+    let moved = b.convert(moved, DType::I32);
+    let count = b.reduce(moved, &[dim as i64], ReduceKind::Sum);
+    let two = b.splat(count, 2.0);
+    let odd = b.binary("stablehlo.remainder", count, two);
+    let odd = b.convert(odd, dtype);
+    let m2 = b.splat(odd, -2.0);
+    let odd = b.mul(odd, m2);
+    let one = b.splat(odd, 1.0);
+    b.add(one, odd)
+}
+
+fn lu_factor_ex(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    if a.shape.len() < 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "torch.lu_factor: Expected tensor with 2 or more dimensions. Got size: {} instead",
+                shape_str(&a.shape)
+            ),
+        );
+    }
+    need_kernel("lu_cpu", a.dtype)?;
+    if !c.args.bool_or("pivot", true) {
+        return user_err(
+            ErrorKind::Runtime,
+            "linalg.lu_factor: LU without pivoting is not implemented on the CPU",
+        );
+    }
+    if c.args.bool_or("check_errors", false) {
+        return decline("check_errors reads the info on the host");
+    }
+    let (lu, piv, info, _) = lu_factor(c.b, a.value);
+    Ok(vec![Out::T(lu), Out::T(piv), Out::T(info)])
+}
+
+fn linalg_lu(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    if a.shape.len() < 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "linalg.lu: Expected tensor with 2 or more dimensions. Got size: {} instead",
+                shape_str(&a.shape)
+            ),
+        );
+    }
+    need_kernel("lu_cpu", a.dtype)?;
+    if !c.args.bool_or("pivot", true) {
+        return user_err(
+            ErrorKind::Runtime,
+            "linalg.lu_factor: LU without pivoting is not implemented on the CPU",
+        );
+    }
+    let b = &mut *c.b;
+    let (lu, _, _, perm) = lu_factor(b, a.value);
+    let p = perm_matrix(b, perm, a.dtype);
+    let (l, u) = unpack_lu(b, lu);
+    Ok(vec![Out::T(p), Out::T(l), Out::T(u)])
+}
+
+fn lu_unpack(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let lu = tensor(c, "LU_data")?;
+    let piv = tensor(c, "LU_pivots")?;
+    let data = c.args.bool_or("unpack_data", true);
+    let pivots = c.args.bool_or("unpack_pivots", true);
+    if lu.shape.len() < 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "torch.lu_unpack: Expected tensor with 2 or more dimensions. Got size: {} instead",
+                shape_str(&lu.shape)
+            ),
+        );
+    }
+    if pivots && piv.dtype != DType::I32 {
+        return user_err(
+            ErrorKind::Runtime,
+            "torch.lu_unpack: LU_pivots is expected to be a contiguous tensor of torch.int32 dtype.\nNote: this function is intended to be used with the output produced by torch.linalg.lu_factor",
+        );
+    }
+    let (batch, m, n) = split(&lu.shape);
+    let b = &mut *c.b;
+    let empty = b.full(lu.dtype, &[0], 0.0);
+    let p = if pivots {
+        let want = cat(&batch, &[m.min(n)]);
+        if piv.shape != want {
+            return user_err(
+                ErrorKind::Value,
+                format!(
+                    "Expected LU_pivots to have shape {} but got {} instead.",
+                    shape_str(&want),
+                    shape_str(&piv.shape)
+                ),
+            );
+        }
+        let perm = perm_from_pivots(b, piv.value, m);
+        perm_matrix(b, perm, lu.dtype)
+    } else {
+        empty
+    };
+    let (l, u) = if data {
+        unpack_lu(b, lu.value)
+    } else {
+        (empty, empty)
+    };
+    Ok(vec![Out::T(p), Out::T(l), Out::T(u)])
+}
+
+fn lu_solve(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let lu = tensor(c, "LU")?;
+    let piv = tensor(c, "pivots")?;
+    let rhs = tensor(c, "B")?;
+    let left = c.args.bool_or("left", true);
+    let adjoint = c.args.bool_or("adjoint", false);
+    const OP: &str = "linalg.lu_solve";
+    need_float("torch.linalg.lu_solve", lu.dtype)?;
+    if lu.dtype != rhs.dtype {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{OP}: Expected LU and B to have the same dtype, but found LU of type {} and B of type {} instead",
+                torch_name(lu.dtype),
+                torch_name(rhs.dtype)
+            ),
+        );
+    }
+    if piv.dtype != DType::I32 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("{OP}: pivots should be a Tensor of scalar type torch.int32"),
+        );
+    }
+    need_square("torch.linalg.lu_solve", "A", &lu.shape)?;
+    need_matrix(OP, "B", &rhs.shape)?;
+    let n = lu.shape[lu.shape.len() - 1];
+    let (_, bm, bn) = split(&rhs.shape);
+    if (left && bm != n) || (!left && bn != n) {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{OP}: Incompatible shapes of A and B for the equation {} ({n}x{n} and {bm}x{bn})",
+                if left { "AX = B" } else { "XA = B" }
+            ),
+        );
+    }
+    if piv.shape.last() != Some(&n) {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{OP}: Number of pivots per batch should be same as the dimension of the matrix"
+            ),
+        );
+    }
+    if piv.shape[..] != lu.shape[..lu.shape.len() - 1] {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{OP}: Expected LU.shape[:-1] and pivots.shape to be the same, but got pivots with shape {} instead",
+                shape_str(&piv.shape)
+            ),
+        );
+    }
+    let (lb, _, _) = split(&lu.shape);
+    let (bb, _, _) = split(&rhs.shape);
+    let batch = broadcast_shapes(&bb, &lb)?;
+    need_kernel("linalg.lu_solve_cpu", lu.dtype)?;
+    let b = &mut *c.b;
+    let perm = perm_from_pivots(b, piv.value, n);
+    let rv = b.broadcast_to(rhs.value, &cat(&batch, &[bm, bn]));
+    let x = lu_solve_values(b, lu.value, perm, rv, left, adjoint);
+    Ok(vec![Out::T(x)])
+}
+
+fn inv_ex(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    need_square("linalg.inv", "A", &a.shape)?;
+    need_float("linalg.inv", a.dtype)?;
+    no_half("linalg.inv", a.dtype)?;
+    if c.args.bool_or("check_errors", false) {
+        return decline("check_errors reads the info on the host");
+    }
+    let b = &mut *c.b;
+    let (lu, _, info, perm) = lu_factor(b, a.value);
+    let (batch, n, _) = split(&a.shape);
+    let e = eye(b, a.dtype, &batch, n, n);
+    let x = lu_solve_left(b, lu, perm, e, false);
+    Ok(vec![Out::T(x), Out::T(info)])
+}
+
+fn det(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    need_square("linalg.det", "A", &a.shape)?;
+    need_float("linalg.det", a.dtype)?;
+    need_kernel("lu_cpu", a.dtype)?;
+    let (lu, piv, _, _) = det_lu(c, a.value);
+    let b = &mut *c.b;
+    let d = diagonal(b, lu);
+    let r = b.rank(d);
+    let p = b.reduce(d, &[r as i64 - 1], ReduceKind::Prod);
+    let s = perm_sign(b, piv, a.dtype);
+    Ok(vec![Out::T(b.mul(p, s)), Out::T(lu), Out::T(piv)])
+}
+
+fn slogdet(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    need_square("linalg.slogdet", "A", &a.shape)?;
+    need_float("linalg.slogdet", a.dtype)?;
+    no_half("linalg.slogdet", a.dtype)?;
+    let (lu, piv, _, _) = det_lu(c, a.value);
+    let b = &mut *c.b;
+    let d = diagonal(b, lu);
+    let last = b.rank(d) as i64 - 1;
+    // sign(NaN) is 0 in PyTorch: (0 < d) - (d < 0).
+    let z = b.splat(d, 0.0);
+    let pos = b.compare(d, z, CmpDir::Gt);
+    let neg = b.compare(d, z, CmpDir::Lt);
+    let pos = b.convert(pos, a.dtype);
+    let neg = b.convert(neg, a.dtype);
+    let sg = b.sub(pos, neg);
+    let sg = b.reduce(sg, &[last], ReduceKind::Prod);
+    let ps = perm_sign(b, piv, a.dtype);
+    let sign = b.mul(sg, ps);
+    let ad = b.abs(d);
+    let lg = b.log(ad);
+    let logabs = b.reduce(lg, &[last], ReduceKind::Sum);
+    Ok(vec![Out::T(sign), Out::T(logabs), Out::T(lu), Out::T(piv)])
+}
+
+fn solve_ex(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    let rhs = tensor(c, "B")?;
+    let left = c.args.bool_or("left", true);
+    const OP: &str = "linalg.solve";
+    need_matrix(OP, "A", &a.shape)?;
+    need_float(OP, a.dtype)?;
+    if a.dtype != rhs.dtype {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{OP}: Expected A and B to have the same dtype, but found A of type {} and B of type {} instead",
+                torch_name(a.dtype),
+                torch_name(rhs.dtype)
+            ),
+        );
+    }
+    // NumPy's rule: B is a (batch of) vector(s) if it is 1-D or A.shape[:-1].
+    let ra = a.shape.len();
+    let vector =
+        rhs.shape.len() == 1 || (rhs.shape.len() + 1 == ra && rhs.shape[..] == a.shape[..ra - 1]);
+    let bshape = if vector {
+        cat(&rhs.shape, &[1])
+    } else {
+        rhs.shape.clone()
+    };
+    need_square(OP, "A", &a.shape)?;
+    need_matrix(OP, "B", &bshape)?;
+    let n = a.shape[ra - 1];
+    let (bb, bm, bn) = split(&bshape);
+    if (left && bm != n) || (!left && bn != n) {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{OP}: Incompatible shapes of A and B for the equation {} ({n}x{n} and {bm}x{bn})",
+                if left { "AX = B" } else { "XA = B" }
+            ),
+        );
+    }
+    let (ab, _, _) = split(&a.shape);
+    let batch = broadcast_shapes(&bb, &ab)?;
+    if vector && !left {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("{OP}: Vector broadcasting of the left hand side is not supported for left=False. In this case linalg.solve is equivalent to B / A.squeeze(-1)"),
+        );
+    }
+    need_kernel("lu_cpu", a.dtype)?;
+    if c.args.bool_or("check_errors", false) {
+        return decline("check_errors reads the info on the host");
+    }
+    let b = &mut *c.b;
+    let (lu, piv, info, perm) = lu_factor(b, a.value);
+    let rv = b.reshape(rhs.value, &bshape);
+    let full = cat(&batch, &[bm, bn]);
+    let rv = b.broadcast_to(rv, &full);
+    let x = lu_solve_values(b, lu, perm, rv, left, false);
+    let x = if vector {
+        b.reshape(x, &cat(&batch, &[bm]))
+    } else {
+        x
+    };
+    Ok(vec![Out::T(x), Out::T(lu), Out::T(piv), Out::T(info)])
+}
+
+// ---------------------------------------------------------------------------
+// QR and Householder products (XLA's QrExpander)
+// ---------------------------------------------------------------------------
+
+/// Householder QR packed as LAPACK's geqrf packs it: (R on and above the diagonal with the
+/// reflectors below it, tau [batch..., min(m, n)]).
+fn geqrf_values(b: &mut Builder, a: Value) -> (Value, Value) {
+    let shape = b.shape(a);
+    let dt = b.dtype(a);
+    let (batch, m, n) = split(&shape);
+    let tshape = cat(&batch, &[m.min(n)]);
+    if numel(&shape) == 0 {
+        return (a, b.full(dt, &tshape, 0.0));
+    }
+    let r = b.custom_call(
+        "Qr",
+        &[a],
+        "",
+        &[TensorType::new(dt, &shape), TensorType::new(dt, &tshape)],
+    );
+    (r[0], r[1])
+}
+
+/// Q = H_1 ... H_p [batch..., m, n] from the reflectors below the diagonal of `a`
+/// [batch..., m, n] (m >= n) and `tau` [batch..., p] (p <= n), as LAPACK's orgqr.
+fn householder_values(b: &mut Builder, a: Value, tau: Value) -> Value {
+    let shape = b.shape(a);
+    let dt = b.dtype(a);
+    let (batch, m, n) = split(&shape);
+    let ts = b.shape(tau);
+    if ts[ts.len() - 1] == 0 || numel(&shape) == 0 {
+        return eye(b, dt, &batch, m, n);
+    }
+    b.custom_call(
+        "ProductOfElementaryHouseholderReflectors",
+        &[a, tau],
+        "",
+        &[TensorType::new(dt, &shape)],
+    )[0]
+}
+
+/// Q [batch..., m, m] of a geqrf factorization of an [m, n] matrix (m > n: the reflectors
+/// padded with zero columns).
+fn complete_q(b: &mut Builder, qa: Value, tau: Value) -> Value {
+    let shape = b.shape(qa);
+    let (_, m, n) = split(&shape);
+    let r = shape.len();
+    let sq = if m > n {
+        let z = b.constant(b.dtype(qa), 0.0);
+        let mut hi = vec![0; r];
+        hi[r - 1] = m - n;
+        b.pad(qa, z, &vec![0; r], &hi, &vec![0; r])
+    } else {
+        b.slice_dim(qa, r - 1, 0, m, 1)
+    };
+    householder_values(b, sq, tau)
+}
+
+fn qr(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    need_matrix("linalg.qr", "A", &a.shape)?;
+    need_float("linalg.qr", a.dtype)?;
+    let mode = c.args.str_or("mode", "reduced").to_string();
+    if !matches!(mode.as_str(), "reduced" | "complete" | "r") {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("qr received unrecognized mode '{mode}' but expected one of 'reduced' (default), 'r', or 'complete'"),
+        );
+    }
+    need_kernel("geqrf_cpu", a.dtype)?;
+    let (_, m, n) = split(&a.shape);
+    let k = m.min(n);
+    let complete = mode == "complete";
+    let b = &mut *c.b;
+    let r = a.shape.len();
+    let (qa, tau) = geqrf_values(b, a.value);
+    let rows = if complete { m } else { k };
+    let top = b.slice_dim(qa, r - 2, 0, rows, 1);
+    let rr = tri(b, top, false, 0);
+    let q = match mode.as_str() {
+        "r" => b.full(a.dtype, &[0], 0.0),
+        "complete" => complete_q(b, qa, tau),
+        _ => {
+            let left = b.slice_dim(qa, r - 1, 0, k, 1);
+            householder_values(b, left, tau)
+        }
+    };
+    Ok(vec![Out::T(q), Out::T(rr)])
+}
+
+fn geqrf(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "self")?;
+    if a.shape.len() < 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            "torch.geqrf: input must have at least 2 dimensions.",
+        );
+    }
+    need_kernel("geqrf_cpu", a.dtype)?;
+    let (qa, tau) = geqrf_values(c.b, a.value);
+    Ok(vec![Out::T(qa), Out::T(tau)])
+}
+
+fn householder_product(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "input")?;
+    let tau = tensor(c, "tau")?;
+    const OP: &str = "torch.linalg.householder_product";
+    if a.shape.len() < 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("{OP}: input must have at least 2 dimensions."),
+        );
+    }
+    let (batch, m, n) = split(&a.shape);
+    if m < n {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("{OP}: input.shape[-2] must be greater than or equal to input.shape[-1]"),
+        );
+    }
+    let Some(&p) = tau.shape.last() else {
+        return user_err(
+            ErrorKind::Index,
+            "Dimension specified as -1 but tensor has no dimensions",
+        );
+    };
+    if n < p {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("{OP}: input.shape[-1] must be greater than or equal to tau.shape[-1]"),
+        );
+    }
+    if tau.shape.len() + 1 != a.shape.len() {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{OP}: Expected tau to have one dimension less than input, but got tau.ndim equal to {} and input.ndim is equal to {}",
+                tau.shape.len(),
+                a.shape.len()
+            ),
+        );
+    }
+    if tau.shape[..tau.shape.len() - 1] != batch[..] {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{OP}: Expected batch dimensions of tau to be equal to input.shape[:-2], but got {}",
+                shape_str(&tau.shape[..tau.shape.len() - 1])
+            ),
+        );
+    }
+    if tau.dtype != a.dtype {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{OP}: tau dtype {} does not match input dtype {}",
+                torch_name(tau.dtype),
+                torch_name(a.dtype)
+            ),
+        );
+    }
+    need_kernel("orgqr_cpu", a.dtype)?;
+    Ok(vec![Out::T(householder_values(c.b, a.value, tau.value))])
+}
+
+// ---------------------------------------------------------------------------
+// Symmetric eigendecomposition (XLA's EighExpander: Jacobi)
+// ---------------------------------------------------------------------------
+
+/// Eigenpairs (ascending) of the symmetric matrices in the `lower` (or upper) triangle of
+/// `a` [batch..., n, n], n >= 1: one-sided Jacobi on A + sigma I, positive semidefinite
+/// for sigma = the inf-norm, so its singular vectors are eigenvectors of A; eigenvalues
+/// are the Rayleigh quotients. For float64, where XLA's Eigh stops rotating at float32's
+/// epsilon (eigenvectors good to about 1e-8 only).
+fn eigh_jacobi(b: &mut Builder, a: Value, lower: bool) -> (Value, Value) {
+    let shape = b.shape(a);
+    let dt = b.dtype(a);
+    let (batch, n, _) = split(&shape);
+    let r = shape.len();
+    let nb = batch.len();
+    let t = tri(b, a, lower, 0);
+    let strict = tri(b, a, lower, if lower { -1 } else { 1 });
+    let st = mt(b, strict);
+    let sym = b.add(t, st);
+    let (x, scale) = unit_scale(b, sym);
+    let ax = b.abs(x);
+    let rows = b.reduce(ax, &[r as i64 - 1], ReduceKind::Sum);
+    let sigma = b.reduce(rows, &[nb as i64], ReduceKind::Max);
+    let sigma = per_batch(b, sigma, &shape);
+    let e = eye(b, dt, &batch, n, n);
+    let shift = b.mul(e, sigma);
+    let c = b.add(x, shift);
+    let (_, v) = jacobi(b, c);
+    let xv = b.dot_general(
+        x,
+        v,
+        (&upto(nb), &upto(nb)),
+        (&[r as i64 - 1], &[nb as i64]),
+        dt,
+    );
+    let q = b.mul(v, xv);
+    let w = b.reduce(q, &[nb as i64], ReduceKind::Sum);
+    let wshape = b.shape(w);
+    let idx = b.iota(DType::I32, &wshape, nb);
+    let sorted = b.sort(&[w, idx], nb, true, |b, a| {
+        b.compare(a[0], a[1], CmpDir::Lt)
+    });
+    let sc = per_batch(b, scale, &wshape);
+    let w = b.mul(sorted[0], sc);
+    (w, gather_cols(b, v, sorted[1]))
+}
+
+fn eigh(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    need_square("linalg.eigh", "A", &a.shape)?;
+    let uplo = c.args.str_or("UPLO", "L").to_string();
+    let lower = match uplo.as_str() {
+        "L" | "l" => true,
+        "U" | "u" => false,
+        _ => {
+            return user_err(
+                ErrorKind::Runtime,
+                format!("Expected UPLO argument to be 'L' or 'U', but got {uplo}"),
+            )
+        }
+    };
+    need_kernel("linalg_eigh_cpu", a.dtype)?;
+    let want_v = c.args.bool_or("compute_v", true);
+    let (batch, n, _) = split(&a.shape);
+    let b = &mut *c.b;
+    let (w, v) = if numel(&a.shape) == 0 {
+        (b.full(a.dtype, &cat(&batch, &[n]), 0.0), a.value)
+    } else if a.dtype == DType::F64 {
+        eigh_jacobi(b, a.value, lower)
+    } else {
+        let r = b.custom_call(
+            "Eigh",
+            &[a.value],
+            // lower, sort, max sweeps, tol (off-diagonal / Frobenius norm)
+            &format!("{},1,100,1e-7", i32::from(lower)),
+            &[
+                TensorType::new(a.dtype, &a.shape),
+                TensorType::new(a.dtype, &cat(&batch, &[n])),
+            ],
+        );
+        (r[1], r[0])
+    };
+    let v = if want_v {
+        v
+    } else {
+        b.full(a.dtype, &[0], 0.0)
+    };
+    Ok(vec![Out::T(w), Out::T(v)])
+}
+
+// ---------------------------------------------------------------------------
+// SVD: one-sided Jacobi
+// ---------------------------------------------------------------------------
+
+const JACOBI_MAX_SWEEPS: i64 = 60;
+
+fn eps(dt: DType) -> f64 {
+    if dt == DType::F64 {
+        f64::EPSILON
+    } else {
+        f32::EPSILON as f64
+    }
+}
+
+/// One round of rotations on the column pairs (top[i], bot[i]) of X [batch..., m, h] and
+/// V, then the round-robin move to the next pairing. Carried: (round, top, bot, vtop,
+/// vbot, off) where `off` [batch...] is the largest |cos| between paired columns seen.
+fn jacobi_round(b: &mut Builder, v: &[Value], tol: f64) -> Vec<Value> {
+    let (round, top, bot, vt, vb, off) = (v[0], v[1], v[2], v[3], v[4], v[5]);
+    let xs = b.shape(top);
+    let vs = b.shape(vt);
+    let r = xs.len();
+    let h = xs[r - 1];
+    let sum = |b: &mut Builder, x: Value, y: Value| {
+        let p = b.mul(x, y);
+        b.reduce(p, &[r as i64 - 2], ReduceKind::Sum)
+    };
+    let alpha = sum(b, top, top);
+    let beta = sum(b, bot, bot);
+    let gamma = sum(b, top, bot);
+    let sa = b.sqrt(alpha);
+    let sb = b.sqrt(beta);
+    let norm = b.mul(sa, sb);
+    let zero = b.splat(norm, 0.0);
+    let pos = b.compare(norm, zero, CmpDir::Gt);
+    let ag = b.abs(gamma);
+    let ratio = b.div(ag, norm);
+    let ratio = b.select(pos, ratio, zero);
+    let worst = b.reduce(ratio, &[r as i64 - 2], ReduceKind::Max);
+    let off = b.max(off, worst);
+    let tolv = b.splat(ratio, tol);
+    let rot = b.compare(ratio, tolv, CmpDir::Gt);
+    // tan of the angle that makes the pair orthogonal: the root of t^2 + 2 zeta t - 1
+    // of smaller magnitude.
+    let diff = b.sub(beta, alpha);
+    let g2 = b.add(gamma, gamma);
+    let zeta = b.div(diff, g2);
+    let one = b.splat(zeta, 1.0);
+    let mone = b.splat(zeta, -1.0);
+    let nonneg = b.compare(zeta, zero, CmpDir::Ge);
+    let sgn = b.select(nonneg, one, mone);
+    let az = b.abs(zeta);
+    let z2 = b.mul(zeta, zeta);
+    let z2 = b.add(z2, one);
+    let hyp = b.sqrt(z2);
+    let den = b.add(az, hyp);
+    let t = b.div(sgn, den);
+    let t2 = b.mul(t, t);
+    let t2 = b.add(t2, one);
+    let cs = b.rsqrt(t2);
+    let sn = b.mul(cs, t);
+    let cs = b.select(rot, cs, one);
+    let sn = b.select(rot, sn, zero);
+    let turn = |b: &mut Builder, x: Value, y: Value, shape: &[i64]| {
+        let c = along(b, cs, shape, r - 1);
+        let s = along(b, sn, shape, r - 1);
+        let cx = b.mul(c, x);
+        let sy = b.mul(s, y);
+        let sx = b.mul(s, x);
+        let cy = b.mul(c, y);
+        (b.sub(cx, sy), b.add(sx, cy))
+    };
+    let (top, bot) = turn(b, top, bot, &xs);
+    let (vt, vb) = turn(b, vt, vb, &vs);
+    // Circle method: top[0] stays, every other column moves one place around the ring
+    // top[1..] -> bot[..] reversed, so n - 1 rounds pair every two columns once.
+    let mv = |b: &mut Builder, t: Value, u: Value| {
+        if h == 1 {
+            return (t, u);
+        }
+        let t0 = b.slice_dim(t, r - 1, 0, 1, 1);
+        let u0 = b.slice_dim(u, r - 1, 0, 1, 1);
+        let mut parts = vec![t0, u0];
+        if h > 2 {
+            parts.push(b.slice_dim(t, r - 1, 1, h - 1, 1));
+        }
+        let nt = b.concatenate(&parts, r - 1);
+        let urest = b.slice_dim(u, r - 1, 1, h, 1);
+        let tl = b.slice_dim(t, r - 1, h - 1, h, 1);
+        let nu = b.concatenate(&[urest, tl], r - 1);
+        (nt, nu)
+    };
+    let (top, bot) = mv(b, top, bot);
+    let (vt, vb) = mv(b, vt, vb);
+    let one = i32c(b, 1);
+    vec![b.add(round, one), top, bot, vt, vb, off]
+}
+
+/// `a` [batch...] scaled per batch to max |a| = 1 over its last two dims: (scaled, scale),
+/// so that sums of squares neither overflow nor underflow.
+fn unit_scale(b: &mut Builder, a: Value) -> (Value, Value) {
+    let shape = b.shape(a);
+    let nb = shape.len() - 2;
+    let mag = b.abs(a);
+    let scale = b.reduce(mag, &[nb as i64, nb as i64 + 1], ReduceKind::Max);
+    let zero = b.splat(scale, 0.0);
+    let one = b.splat(scale, 1.0);
+    let is0 = b.compare(scale, zero, CmpDir::Eq);
+    let scale = b.select(is0, one, scale);
+    let sm = per_batch(b, scale, &shape);
+    (b.div(a, sm), scale)
+}
+
+/// One-sided Jacobi: rotates the columns of `x` [batch..., m, n] (no empty dims) until
+/// they are orthogonal. Returns (X V, V), V [batch..., n, n] orthogonal.
+fn jacobi(b: &mut Builder, x: Value) -> (Value, Value) {
+    let shape = b.shape(x);
+    let dt = b.dtype(x);
+    let (batch, m, n) = split(&shape);
+    let r = shape.len();
+    let nb = batch.len();
+    // An odd column count gets a zero column: it never rotates.
+    let n2 = n + n % 2;
+    let h = n2 / 2;
+    let x = if n2 > n {
+        let z = b.constant(dt, 0.0);
+        let mut hi = vec![0; r];
+        hi[r - 1] = 1;
+        b.pad(x, z, &vec![0; r], &hi, &vec![0; r])
+    } else {
+        x
+    };
+    let v = eye(b, dt, &batch, n2, n2);
+    let top = b.slice_dim(x, r - 1, 0, h, 1);
+    let bot = b.slice_dim(x, r - 1, h, n2, 1);
+    let vt = b.slice_dim(v, r - 1, 0, h, 1);
+    let vb = b.slice_dim(v, r - 1, h, n2, 1);
+    let tol = eps(dt) * (m as f64).sqrt();
+    let off = b.full(dt, &batch, f64::INFINITY);
+    let sweep = i32c(b, 0);
+    // Whole sweeps (n2 - 1 rounds) bring every column back to its starting place.
+    let out = b.while_loop(
+        &[sweep, top, bot, vt, vb, off],
+        |b, v| {
+            let lim = i32c(b, JACOBI_MAX_SWEEPS);
+            let more = b.compare(v[0], lim, CmpDir::Lt);
+            let worst = b.reduce(v[5], &upto(nb), ReduceKind::Max);
+            let tolc = b.constant(dt, tol);
+            let bad = b.compare(worst, tolc, CmpDir::Gt);
+            b.and(more, bad)
+        },
+        |b, v| {
+            let off = b.splat(v[5], 0.0);
+            let round = i32c(b, 0);
+            let inner = b.while_loop(
+                &[round, v[1], v[2], v[3], v[4], off],
+                |b, w| {
+                    let lim = i32c(b, n2 - 1);
+                    b.compare(w[0], lim, CmpDir::Lt)
+                },
+                |b, w| jacobi_round(b, w, tol),
+            );
+            let one = i32c(b, 1);
+            let s = b.add(v[0], one);
+            vec![s, inner[1], inner[2], inner[3], inner[4], inner[5]]
+        },
+    );
+    let x = b.concatenate(&[out[1], out[2]], r - 1);
+    let x = b.slice_dim(x, r - 1, 0, n, 1);
+    let v = b.concatenate(&[out[3], out[4]], r - 1);
+    let v = b.slice_dim(v, r - 2, 0, n, 1);
+    let v = b.slice_dim(v, r - 1, 0, n, 1);
+    (x, v)
+}
+
+/// (U, S, V) of `a` [batch..., m, n] with m >= n >= 1, no empty dims; U is [m, m] with
+/// `full`, else [m, n]; None for U and V without `uv`.
+fn svd_tall(
+    b: &mut Builder,
+    a: Value,
+    full: bool,
+    uv: bool,
+) -> (Option<Value>, Value, Option<Value>) {
+    let shape = b.shape(a);
+    let dt = b.dtype(a);
+    let r = shape.len();
+    let nb = r - 2;
+    let n = shape[r - 1];
+    let (x, scale) = unit_scale(b, a);
+    let (x, v) = jacobi(b, x);
+    let sq = b.mul(x, x);
+    let norms = b.reduce(sq, &[r as i64 - 2], ReduceKind::Sum);
+    let norms = b.sqrt(norms);
+    // Descending singular values, as LAPACK returns them.
+    let sshape = b.shape(norms);
+    let idx = b.iota(DType::I32, &sshape, nb);
+    let sorted = b.sort(&[norms, idx], nb, true, |b, a| {
+        b.compare(a[0], a[1], CmpDir::Gt)
+    });
+    let sc = per_batch(b, scale, &sshape);
+    let s = b.mul(sorted[0], sc);
+    if !uv {
+        return (None, s, None);
+    }
+    let order = sorted[1];
+    let x = gather_cols(b, x, order);
+    let v = gather_cols(b, v, order);
+    // X = U S has orthogonal columns: its QR has R diagonal up to rounding and Q = U up to
+    // the signs of R's diagonal; Q also completes U where S is zero or `full` asks.
+    let (qa, tau) = geqrf_values(b, x);
+    let q = if full {
+        complete_q(b, qa, tau)
+    } else {
+        householder_values(b, qa, tau)
+    };
+    let d = diagonal(b, qa);
+    let dz = b.splat(d, 0.0);
+    let neg = b.compare(d, dz, CmpDir::Lt);
+    let p1 = b.splat(d, 1.0);
+    let m1 = b.splat(d, -1.0);
+    let sg = b.select(neg, m1, p1);
+    let qs = b.shape(q);
+    let cols = qs[r - 1];
+    let sg = if cols > n {
+        let one = b.constant(dt, 1.0);
+        let mut hi = vec![0; nb + 1];
+        hi[nb] = cols - n;
+        b.pad(sg, one, &vec![0; nb + 1], &hi, &vec![0; nb + 1])
+    } else {
+        sg
+    };
+    let sgm = along(b, sg, &qs, r - 1);
+    let u = b.mul(q, sgm);
+    (Some(u), s, Some(v))
+}
+
+fn svd(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    need_matrix("linalg.svd", "A", &a.shape)?;
+    need_float("linalg.svd", a.dtype)?;
+    if c.args.opt_str("driver").is_some() {
+        return user_err(
+            ErrorKind::Runtime,
+            "torch.linalg.svd: keyword argument `driver=` is only supported on CUDA inputs with cuSOLVER backend.",
+        );
+    }
+    need_kernel("linalg_svd_cpu", a.dtype)?;
+    let full = c.args.bool_or("full_matrices", false);
+    let uv = c.args.bool_or("compute_uv", true);
+    let (batch, m, n) = split(&a.shape);
+    let k = m.min(n);
+    let b = &mut *c.b;
+    let empty = b.full(a.dtype, &[0], 0.0);
+    let (ucols, vrows) = if full { (m, n) } else { (k, k) };
+    if numel(&a.shape) == 0 {
+        let s = b.full(a.dtype, &cat(&batch, &[k]), 0.0);
+        if !uv {
+            return Ok(vec![Out::T(empty), Out::T(s), Out::T(empty)]);
+        }
+        let u = eye(b, a.dtype, &batch, m, ucols);
+        let vh = eye(b, a.dtype, &batch, vrows, n);
+        return Ok(vec![Out::T(u), Out::T(s), Out::T(vh)]);
+    }
+    let (u, s, vh) = if m >= n {
+        let (u, s, v) = svd_tall(b, a.value, full, uv);
+        (u, s, v.map(|v| mt(b, v)))
+    } else {
+        // A^T = U' S V'^T, so A = V' S U'^T.
+        let at = mt(b, a.value);
+        let (u, s, v) = svd_tall(b, at, full, uv);
+        (v, s, u.map(|u| mt(b, u)))
+    };
+    Ok(vec![
+        Out::T(u.unwrap_or(empty)),
+        Out::T(s),
+        Out::T(vh.unwrap_or(empty)),
+    ])
+}
+
+pub const RULES: &[(&str, Rule)] = &[
+    ("aten::linalg_lu_factor_ex", lu_factor_ex),
+    ("aten::linalg_lu", linalg_lu),
+    ("aten::lu_unpack", lu_unpack),
+    ("aten::linalg_lu_solve", lu_solve),
+    ("aten::linalg_inv_ex", inv_ex),
+    ("aten::_linalg_det", det),
+    ("aten::_linalg_slogdet", slogdet),
+    ("aten::_linalg_solve_ex", solve_ex),
+    ("aten::linalg_qr", qr),
+    ("aten::geqrf", geqrf),
+    ("aten::linalg_householder_product", householder_product),
+    ("aten::_linalg_eigh", eigh),
+    ("aten::_linalg_svd", svd),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Arg, Args, LowerError};
+
+    fn tensor(b: &mut Builder, dt: DType, shape: &[i64]) -> Arg {
+        let value = b.param(TensorType::new(dt, shape));
+        Arg::Tensor(TensorArg {
+            value,
+            dtype: dt,
+            shape: shape.to_vec(),
+            wrapped_number: false,
+        })
+    }
+
+    /// Runs `rule`: the shapes of its results and the printed module.
+    fn run(
+        rule: Rule,
+        items: Vec<(&str, Arg)>,
+        b: &mut Builder,
+    ) -> LResult<(Vec<Vec<i64>>, String)> {
+        let args = Args {
+            items: items.into_iter().map(|(n, a)| (n.to_string(), a)).collect(),
+        };
+        let mut c = Ctx::new(b, "aten::test", "", &args);
+        let outs = rule(&mut c)?;
+        let vals: Vec<Value> = outs
+            .iter()
+            .filter_map(|o| match o {
+                Out::T(v) => Some(*v),
+                _ => None,
+            })
+            .collect();
+        let shapes = vals.iter().map(|v| c.b.shape(*v)).collect();
+        Ok((shapes, c.b.finish(&vals)))
+    }
+
+    fn ok(r: LResult<(Vec<Vec<i64>>, String)>) -> Vec<Vec<i64>> {
+        match r {
+            Ok((s, _)) => s,
+            Err(LowerError::Declined(w)) | Err(LowerError::User(_, w)) => panic!("{w}"),
+        }
+    }
+
+    fn user_error(r: LResult<(Vec<Vec<i64>>, String)>) -> (ErrorKind, String) {
+        match r {
+            Err(LowerError::User(k, m)) => (k, m),
+            other => panic!("expected a user error, got {:?}", other.map(|x| x.0)),
+        }
+    }
+
+    /// A fresh builder with tensor arguments of the given dtypes and shapes.
+    fn with(specs: &[(&'static str, DType, &[i64])]) -> (Builder, Vec<(&'static str, Arg)>) {
+        let mut b = Builder::new();
+        let items = specs
+            .iter()
+            .map(|(n, d, s)| (*n, tensor(&mut b, *d, s)))
+            .collect();
+        (b, items)
+    }
+
+    #[test]
+    fn lu_family_shapes() {
+        let (mut b, items) = with(&[("A", DType::F32, &[2, 3, 5])]);
+        let (s, m) = run(lu_factor_ex, items, &mut b).unwrap();
+        assert_eq!(s, vec![vec![2, 3, 5], vec![2, 3], vec![2]]);
+        assert!(m.contains("stablehlo.while"));
+        let (mut b, items) = with(&[("A", DType::F64, &[5, 3])]);
+        assert_eq!(
+            ok(run(linalg_lu, items, &mut b)),
+            vec![vec![5, 5], vec![5, 3], vec![3, 3]]
+        );
+        let (mut b, items) = with(&[
+            ("LU_data", DType::F32, &[3, 5]),
+            ("LU_pivots", DType::I32, &[3]),
+        ]);
+        assert_eq!(
+            ok(run(lu_unpack, items, &mut b)),
+            vec![vec![3, 3], vec![3, 3], vec![3, 5]]
+        );
+        let (mut b, mut items) = with(&[
+            ("LU_data", DType::F32, &[4, 4]),
+            ("LU_pivots", DType::I64, &[4]),
+        ]);
+        items.push(("unpack_pivots", Arg::Bool(false)));
+        assert_eq!(
+            ok(run(lu_unpack, items, &mut b)),
+            vec![vec![0], vec![4, 4], vec![4, 4]]
+        );
+        // Empty matrices skip the loop.
+        let (mut b, items) = with(&[("A", DType::F32, &[0, 0])]);
+        let (s, m) = run(det, items, &mut b).unwrap();
+        assert_eq!(s, vec![vec![], vec![0, 0], vec![0]]);
+        assert!(!m.contains("stablehlo.while"));
+    }
+
+    #[test]
+    fn solve_shapes_follow_numpy_vector_rule() {
+        // B of shape A.shape[:-1] is a batch of vectors.
+        let (mut b, items) = with(&[("A", DType::F32, &[2, 3, 3]), ("B", DType::F32, &[2, 3])]);
+        assert_eq!(
+            ok(run(solve_ex, items, &mut b)),
+            vec![vec![2, 3], vec![2, 3, 3], vec![2, 3], vec![2]]
+        );
+        // Batches broadcast; LU keeps A's.
+        let (mut b, items) = with(&[
+            ("A", DType::F64, &[2, 1, 3, 3]),
+            ("B", DType::F64, &[4, 3, 2]),
+        ]);
+        assert_eq!(
+            ok(run(solve_ex, items, &mut b)),
+            vec![
+                vec![2, 4, 3, 2],
+                vec![2, 1, 3, 3],
+                vec![2, 1, 3],
+                vec![2, 1]
+            ]
+        );
+        let (mut b, items) = with(&[("A", DType::F32, &[3, 3]), ("B", DType::F32, &[4])]);
+        let (k, m) = user_error(run(solve_ex, items, &mut b));
+        assert_eq!(k, ErrorKind::Runtime);
+        assert_eq!(
+            m,
+            "linalg.solve: Incompatible shapes of A and B for the equation AX = B (3x3 and 4x1)"
+        );
+        let (mut b, mut items) = with(&[("A", DType::F32, &[3, 3]), ("B", DType::F32, &[3])]);
+        items.push(("check_errors", Arg::Bool(true)));
+        assert!(matches!(
+            run(solve_ex, items, &mut b),
+            Err(LowerError::Declined(_))
+        ));
+    }
+
+    #[test]
+    fn lu_solve_checks_like_the_meta_function() {
+        let (mut b, items) = with(&[
+            ("LU", DType::F32, &[2, 3, 3]),
+            ("pivots", DType::I32, &[2, 3]),
+            ("B", DType::F32, &[4, 1, 3, 2]),
+        ]);
+        assert_eq!(ok(run(lu_solve, items, &mut b)), vec![vec![4, 2, 3, 2]]);
+        let (mut b, items) = with(&[
+            ("LU", DType::F32, &[3, 3]),
+            ("pivots", DType::I64, &[3]),
+            ("B", DType::F32, &[3, 2]),
+        ]);
+        let (_, m) = user_error(run(lu_solve, items, &mut b));
+        assert_eq!(
+            m,
+            "linalg.lu_solve: pivots should be a Tensor of scalar type torch.int32"
+        );
+        let (mut b, mut items) = with(&[
+            ("LU", DType::F32, &[3, 3]),
+            ("pivots", DType::I32, &[3]),
+            ("B", DType::F32, &[3, 2]),
+        ]);
+        items.push(("left", Arg::Bool(false)));
+        let (_, m) = user_error(run(lu_solve, items, &mut b));
+        assert_eq!(
+            m,
+            "linalg.lu_solve: Incompatible shapes of A and B for the equation XA = B (3x3 and 3x2)"
+        );
+    }
+
+    #[test]
+    fn dtype_errors_match_the_cpu_kernels() {
+        let (mut b, items) = with(&[("A", DType::I64, &[3, 3])]);
+        assert_eq!(
+            user_error(run(lu_factor_ex, items, &mut b)),
+            (
+                ErrorKind::NotImplemented,
+                "\"lu_cpu\" not implemented for 'Long'".to_string()
+            )
+        );
+        let (mut b, items) = with(&[("A", DType::F16, &[3, 3])]);
+        assert_eq!(
+            user_error(run(inv_ex, items, &mut b)).1,
+            "linalg.inv: Low precision dtypes not supported. Got Half"
+        );
+        let (mut b, items) = with(&[("A", DType::BF16, &[3, 3])]);
+        assert_eq!(
+            user_error(run(det, items, &mut b)).1,
+            "\"lu_cpu\" not implemented for 'BFloat16'"
+        );
+        let (mut b, items) = with(&[("A", DType::F32, &[3, 4])]);
+        assert_eq!(
+            user_error(run(slogdet, items, &mut b)).1,
+            "linalg.slogdet: A must be batches of square matrices, but they are 3 by 4 matrices"
+        );
+        let (mut b, items) = with(&[("A", DType::F32, &[3])]);
+        assert_eq!(
+            user_error(run(lu_factor_ex, items, &mut b)).1,
+            "torch.lu_factor: Expected tensor with 2 or more dimensions. Got size: [3] instead"
+        );
+    }
+
+    #[test]
+    fn qr_modes() {
+        for (shape, mode, q, r) in [
+            (vec![5, 3], "reduced", vec![5, 3], vec![3, 3]),
+            (vec![5, 3], "complete", vec![5, 5], vec![5, 3]),
+            (vec![5, 3], "r", vec![0], vec![3, 3]),
+            (vec![3, 5], "complete", vec![3, 3], vec![3, 5]),
+            (vec![2, 3, 0], "complete", vec![2, 3, 3], vec![2, 3, 0]),
+        ] {
+            let mut b = Builder::new();
+            let a = tensor(&mut b, DType::F32, &shape);
+            let (s, m) = run(qr, vec![("A", a), ("mode", Arg::Str(mode.into()))], &mut b).unwrap();
+            assert_eq!(s, vec![q, r], "{shape:?} {mode}");
+            assert_eq!(m.contains("\"Qr\""), !shape.contains(&0));
+        }
+        let mut b = Builder::new();
+        let a = tensor(&mut b, DType::F32, &[3, 3]);
+        let (_, m) = user_error(run(
+            qr,
+            vec![("A", a), ("mode", Arg::Str("foo".into()))],
+            &mut b,
+        ));
+        assert_eq!(
+            m,
+            "qr received unrecognized mode 'foo' but expected one of 'reduced' (default), 'r', or 'complete'"
+        );
+    }
+
+    #[test]
+    fn householder_product_checks() {
+        let (mut b, items) = with(&[
+            ("input", DType::F32, &[2, 5, 3]),
+            ("tau", DType::F32, &[2, 2]),
+        ]);
+        assert_eq!(
+            ok(run(householder_product, items, &mut b)),
+            vec![vec![2, 5, 3]]
+        );
+        let (mut b, items) = with(&[
+            ("input", DType::F32, &[2, 5, 3]),
+            ("tau", DType::F32, &[3, 2]),
+        ]);
+        assert_eq!(
+            user_error(run(householder_product, items, &mut b)).1,
+            "torch.linalg.householder_product: Expected batch dimensions of tau to be equal to input.shape[:-2], but got [3]"
+        );
+        let (mut b, items) = with(&[("input", DType::F32, &[5, 3]), ("tau", DType::F32, &[])]);
+        assert_eq!(
+            user_error(run(householder_product, items, &mut b)).0,
+            ErrorKind::Index
+        );
+    }
+
+    #[test]
+    fn eigh_uses_xla_for_float32_and_jacobi_for_float64() {
+        let (mut b, items) = with(&[("A", DType::F32, &[2, 4, 4])]);
+        let (s, m) = run(eigh, items, &mut b).unwrap();
+        assert_eq!(s, vec![vec![2, 4], vec![2, 4, 4]]);
+        assert!(m.contains("\"Eigh\""));
+        let (mut b, mut items) = with(&[("A", DType::F64, &[4, 4])]);
+        items.push(("compute_v", Arg::Bool(false)));
+        let (s, m) = run(eigh, items, &mut b).unwrap();
+        assert_eq!(s, vec![vec![4], vec![0]]);
+        assert!(!m.contains("\"Eigh\"") && m.contains("stablehlo.while"));
+        let (mut b, mut items) = with(&[("A", DType::F32, &[3, 3])]);
+        items.push(("UPLO", Arg::Str("X".into())));
+        assert_eq!(
+            user_error(run(eigh, items, &mut b)).1,
+            "Expected UPLO argument to be 'L' or 'U', but got X"
+        );
+    }
+
+    #[test]
+    fn svd_shapes() {
+        for (shape, full, uv, want) in [
+            (
+                vec![2, 3, 5],
+                true,
+                true,
+                vec![vec![2, 3, 3], vec![2, 3], vec![2, 5, 5]],
+            ),
+            (
+                vec![2, 3, 5],
+                false,
+                true,
+                vec![vec![2, 3, 3], vec![2, 3], vec![2, 3, 5]],
+            ),
+            (
+                vec![6, 4],
+                true,
+                true,
+                vec![vec![6, 6], vec![4], vec![4, 4]],
+            ),
+            (vec![7, 3], false, false, vec![vec![0], vec![3], vec![0]]),
+            (
+                vec![0, 5],
+                true,
+                true,
+                vec![vec![0, 0], vec![0], vec![5, 5]],
+            ),
+        ] {
+            let mut b = Builder::new();
+            let a = tensor(&mut b, DType::F32, &shape);
+            let items = vec![
+                ("A", a),
+                ("full_matrices", Arg::Bool(full)),
+                ("compute_uv", Arg::Bool(uv)),
+            ];
+            let (s, _) = run(svd, items, &mut b).unwrap();
+            assert_eq!(s, want, "{shape:?} full={full} uv={uv}");
+        }
+        let mut b = Builder::new();
+        let a = tensor(&mut b, DType::F32, &[3, 3]);
+        let (_, m) = user_error(run(
+            svd,
+            vec![("A", a), ("driver", Arg::Str("gesvd".into()))],
+            &mut b,
+        ));
+        assert!(m.contains("`driver=` is only supported on CUDA"), "{m}");
+    }
+}
