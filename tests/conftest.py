@@ -11,9 +11,15 @@ Useful command lines (from the repository root, with the venv active):
     python -m pytest tests/test_opinfo.py -q -k "float32 and forward"
     python -m pytest tests/test_opinfo.py --opinfo-record=/tmp/failures.txt
         # writes one expected_failures.txt line per failing OpInfo test (for triage)
+
+OpInfo outcomes of every run are merged into .torch_pjrt_coverage/opinfo.json (git-ignored);
+`python -m torch_pjrt.coverage` reports pass rates from it.
 """
 
+import datetime
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,8 +203,12 @@ def pytest_runtest_makereport(item, call):
 
 
 # ---------------------------------------------------------------------------
-# OpInfo summary: outcomes per dtype and direction, and how many ran natively
+# OpInfo summary: outcomes per dtype and direction, and how many ran natively;
+# recorded in OPINFO_JSON for `python -m torch_pjrt.coverage`
 # ---------------------------------------------------------------------------
+
+OPINFO_JSON = Path(__file__).resolve().parent.parent / ".torch_pjrt_coverage" / "opinfo.json"
+OUTCOMES = ("passed", "failed", "xfailed", "skipped")
 
 _OPINFO_RESULTS = {}
 
@@ -206,25 +216,69 @@ _OPINFO_RESULTS = {}
 def pytest_runtest_logreport(report):
     if "test_opinfo[" not in report.nodeid:
         return
-    key = report.nodeid.rsplit("[", 1)[1].rstrip("]").rsplit("-", 2)[1:]
+    name, dtype, direction = report.nodeid.rsplit("[", 1)[1].rstrip("]").rsplit("-", 2)
     if report.when == "call" or (report.when == "setup" and report.skipped):
         if hasattr(report, "wasxfail"):
             outcome = "xfailed" if report.skipped else "failed"  # XPASS(strict) fails
         else:
             outcome = report.outcome
         fb = dict(report.user_properties).get("fallbacks")
-        _OPINFO_RESULTS[report.nodeid] = (tuple(key), outcome, fb == [])
+        _OPINFO_RESULTS[report.nodeid] = (name, dtype, direction, outcome, fb)
+
+
+def _opinfo_rows(tests):
+    """{(dtype, direction): counts} from {(dtype, direction): {op: {"outcome", "fallbacks"}}}."""
+    table = {}
+    for key, ops in tests.items():
+        row = table.setdefault(key, dict.fromkeys((*OUTCOMES, "native"), 0))
+        for t in ops.values():
+            row[t["outcome"]] += 1
+            row["native"] += t["outcome"] == "passed" and t.get("fallbacks") == []
+    return table
+
+
+def _this_run():
+    tests = {}
+    for name, dtype, direction, outcome, fb in _OPINFO_RESULTS.values():
+        t = {"outcome": outcome}
+        if fb is not None:
+            t["fallbacks"] = fb
+        tests.setdefault((dtype, direction), {})[name] = t
+    return tests
+
+
+def pytest_sessionfinish(session):
+    """Merges this run's OpInfo outcomes into OPINFO_JSON (runs of single files accumulate)."""
+    if not _OPINFO_RESULTS:
+        return
+    tests = {}
+    try:
+        old = json.loads(OPINFO_JSON.read_text())
+        for dtype, dirs in old.get("results", {}).items():
+            for direction, r in dirs.items():
+                tests[(dtype, direction)] = dict(r.get("tests", {}))
+    except (OSError, ValueError, AttributeError):
+        pass  # nothing recorded yet, or an unreadable file: start afresh
+    for key, ops in _this_run().items():
+        tests.setdefault(key, {}).update(ops)
+    results = {}
+    for (dtype, direction), row in sorted(_opinfo_rows(tests).items()):
+        results.setdefault(dtype, {})[direction] = {
+            **row, "tests": dict(sorted(tests[(dtype, direction)].items()))}
+    doc = {"torch": torch.__version__,
+           "updated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "samples": session.config.getoption("--opinfo-samples"),
+           "results": results}
+    OPINFO_JSON.parent.mkdir(exist_ok=True)
+    tmp = OPINFO_JSON.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.replace(OPINFO_JSON)
 
 
 def pytest_terminal_summary(terminalreporter):
     if not _OPINFO_RESULTS:
         return
-    table = {}
-    for key, outcome, native in _OPINFO_RESULTS.values():
-        row = table.setdefault(key, {"passed": 0, "failed": 0, "xfailed": 0, "skipped": 0,
-                                     "native": 0})
-        row[outcome] += 1
-        row["native"] += outcome == "passed" and native
+    table = _opinfo_rows(_this_run())
     w = terminalreporter
     w.section("OpInfo summary")
     w.line(f"{'dtype':<8} {'direction':<9} {'passed':>7} {'native':>7} {'xfailed':>8} "
@@ -236,3 +290,4 @@ def pytest_terminal_summary(terminalreporter):
                f"{r['skipped']:>8} {r['failed']:>7} {rate:>10}")
     w.line("native: passed without any CPU fallback; pass rate: passed / (passed + xfailed "
            "+ failed)")
+    w.line(f"recorded in {OPINFO_JSON} (python -m torch_pjrt.coverage)")

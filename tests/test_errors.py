@@ -214,6 +214,8 @@ def test_missing_plugin_error_is_clear(code):
 
 # Ops very unlikely to get a lowering; the tests use the first one without a rule.
 UNLOWERED = [
+    ("aten::linalg_ldl_factor_ex",
+     lambda x: torch.linalg.ldl_factor(x @ x.mT + torch.eye(3).to(x))),
     ("aten::linalg_qr", lambda x: torch.linalg.qr(x)),
     ("aten::linalg_cholesky_ex", lambda x: torch.linalg.cholesky(x @ x.mT + torch.eye(3).to(x))),
     ("aten::histc", lambda x: torch.histc(x, bins=4)),

@@ -17,8 +17,13 @@ back, they only have to be right.
 
 Known failures live in tests/expected_failures.txt (strict xfail: a listed test that
 passes fails, so the file only shrinks). Default selection: float32 forward, backward and
-inplace; the int64/int32/bool forward tests carry the `slow` marker (deselect with
-`-m "not slow"`).
+inplace; the int64/int32/bool/bfloat16/float16 forward tests carry the `slow` marker
+(deselect with `-m "not slow"`).
+
+bfloat16/float16 compare like PyTorch's TestCommon.test_compare_cpu: the CPU run in the
+same dtype is the reference (its kernels often compute in float32 and round once; a
+lowering must then do the same), with the OpInfo's tolerances for that dtype, each at
+least assert_close's default for the dtype.
 """
 
 import re
@@ -28,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_on_device, fallbacks, to_cpu, to_tpu
+from torch.testing._comparison import default_tolerances
 from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.testing._internal.opinfo.core import DecorateInfo, SampleInput
@@ -41,6 +47,8 @@ DTYPES = {
     "int64": torch.int64,
     "int32": torch.int32,
     "bool": torch.bool,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
 }
 DIRECTIONS = ("forward", "backward", "inplace")
 
@@ -162,7 +170,8 @@ def tolerances(op, dtype):
     """The loosest (atol, rtol) any of the OpInfo's tolerance decorators gives `dtype`.
 
     PyTorch grants these for differences between its own backends; XLA is one more
-    backend. (None, None) means assert_close's defaults.
+    backend. (None, None) means assert_close's defaults. bfloat16/float16 get at least
+    assert_close's defaults for the dtype.
     """
     atol = rtol = None
     decos = []
@@ -178,6 +187,10 @@ def tolerances(op, dtype):
             atol, rtol = max(atol or 0, t.atol), max(rtol or 0, t.rtol)
         elif isinstance(d, precisionOverride) and dtype in d.d:
             atol = max(atol or 0, d.d[dtype])
+    if dtype in (torch.bfloat16, torch.float16):
+        # As TestCase.assertEqual does: an override only ever loosens the dtype's default.
+        default_rtol, default_atol = default_tolerances(dtype)
+        return max(atol or 0, default_atol), max(rtol or 0, default_rtol)
     if atol is None and rtol is None:
         return None, None
     default_rtol, default_atol = {torch.float32: (1.3e-6, 1e-5)}.get(dtype, (0, 0))

@@ -1,11 +1,12 @@
 //! Ops whose output shape depends on the data (nonzero, masked_select). StableHLO needs
 //! static shapes, so these synchronize: the input is read back, the result computed on the
-//! host and uploaded. They are listed in the README as synchronizing ops.
+//! host and uploaded. They are listed in the README as synchronizing ops. `equal` returns
+//! a Python bool, so it synchronizes too: it compares on the device and reads back one bool.
 
 use std::sync::Arc;
 
 use crate::copy::copy;
-use crate::exec::{Loc, Param, RArg, Ret, TensorRef};
+use crate::exec::{dispatch, Loc, Outcome, Param, RArg, Ret, TensorRef};
 use crate::layout::View;
 use crate::storage::Storage;
 use crate::{Error, Result, Runtime};
@@ -19,6 +20,7 @@ pub fn find(op: &str) -> Option<HostOp> {
     match op {
         "aten::nonzero" => Some(nonzero),
         "aten::masked_select" => Some(masked_select),
+        "aten::equal" => Some(equal),
         _ => None,
     }
 }
@@ -143,4 +145,32 @@ fn expand(t: &TensorRef, shape: &[i64]) -> TensorRef {
         offset: t.view.offset,
     };
     e
+}
+
+/// `torch.equal`: the lowering `torch_pjrt::equal` gives a 0-d bool on the device.
+fn equal(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    let rets = match dispatch(rt, "torch_pjrt::equal", "", params)? {
+        Outcome::Done(r) => r,
+        Outcome::Declined(w) => return Err(Error::runtime(format!("equal: {w}"))),
+        Outcome::Resize(_) => return Err(Error::runtime("equal: unexpected resize")),
+    };
+    let Some(Ret::Tensor { handle, device, .. }) = rets.into_iter().next() else {
+        return Err(Error::runtime("equal: the comparison returned no tensor"));
+    };
+    // SAFETY: dispatch returns a fresh handle whose reference we now own.
+    let storage = unsafe { Storage::from_handle(handle) };
+    let t = TensorRef {
+        loc: Loc::Device(Arc::as_ptr(&storage)),
+        dtype: Some(DType::Bool),
+        view: View {
+            sizes: vec![],
+            strides: vec![],
+            offset: 0,
+        },
+        nbytes: 1,
+        wrapped: false,
+        device,
+    };
+    let b = host_bytes(rt, &t, &[], DType::Bool)?;
+    Ok(vec![Ret::Bool(b.first().is_some_and(|v| *v != 0))])
 }

@@ -3,6 +3,7 @@
 use crate::shape::shape_str;
 use crate::{user_err, Builder, Ctx, ErrorKind, LResult, Out, Rule, Value};
 
+use super::nn::opmath;
 use super::{common, mat, Opnd};
 
 /// `beta * self + alpha * prod`, skipping the terms PyTorch skips (beta == 0 ignores self,
@@ -81,19 +82,22 @@ fn bmm_values(b: &mut Builder, x: Value, y: Value) -> Value {
 }
 
 fn mm(c: &mut Ctx, mats: (&str, &str)) -> LResult<Vec<Out>> {
-    let (x, y, _) = pair(c, mats.0, mats.1)?;
+    let (x, y, dt) = pair(c, mats.0, mats.1)?;
     check_mm(&c.b.shape(x), &c.b.shape(y))?;
+    // Half types multiply and add self in f32, rounding once (as the CPU's gemm does).
+    let x = c.b.convert(x, opmath(dt));
+    let y = c.b.convert(y, opmath(dt));
     let p = mm_values(c.b, x, y);
     let r = if c.args.has("self") && mats.0 != "self" {
         axpby(c, p)?
     } else {
         p
     };
-    Ok(vec![Out::T(r)])
+    Ok(vec![Out::T(c.b.convert(r, dt))])
 }
 
 fn bmm(c: &mut Ctx, mats: (&str, &str)) -> LResult<Vec<Out>> {
-    let (x, y, _) = pair(c, mats.0, mats.1)?;
+    let (x, y, dt) = pair(c, mats.0, mats.1)?;
     let (sx, sy) = (c.b.shape(x), c.b.shape(y));
     if sx.len() != 3 || sy.len() != 3 {
         return user_err(ErrorKind::Runtime, "batch1 must be a 3D tensor");
@@ -107,13 +111,16 @@ fn bmm(c: &mut Ctx, mats: (&str, &str)) -> LResult<Vec<Out>> {
             ),
         );
     }
+    // In f32 for half types, rounding once (as in mm).
+    let x = c.b.convert(x, opmath(dt));
+    let y = c.b.convert(y, opmath(dt));
     let p = bmm_values(c.b, x, y);
     let r = if c.args.has("self") && mats.0 != "self" {
         axpby(c, p)?
     } else {
         p
     };
-    Ok(vec![Out::T(r)])
+    Ok(vec![Out::T(c.b.convert(r, dt))])
 }
 
 fn dot(c: &mut Ctx) -> LResult<Vec<Out>> {
@@ -180,6 +187,107 @@ fn outer(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.mul(x, y))])
 }
 
+/// `linalg_matrix_exp` by scaling and squaring: A / 2^s (s from A's 1-norm, per matrix) goes
+/// through a degree-18 Taylor polynomial, then the result is squared s times in a loop.
+fn matrix_exp(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = c.args.tensor("self")?.clone();
+    let r = t.shape.len();
+    if r < 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            "linalg.matrix_exp: The input tensor A must have at least 2 dimensions.",
+        );
+    }
+    let (m, n) = (t.shape[r - 2], t.shape[r - 1]);
+    if m != n {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "linalg.matrix_exp: A must be batches of square matrices, but they are {m} by {n} matrices"
+            ),
+        );
+    }
+    if !t.dtype.is_float() {
+        return user_err(
+            ErrorKind::NotImplemented,
+            format!(
+                "linalg.matrix_exp: Expected a floating point or complex tensor as input. Got {}",
+                crate::promote::torch_name(t.dtype)
+            ),
+        );
+    }
+    if crate::shape::numel(&t.shape) == 0 {
+        return Ok(vec![Out::T(t.value)]);
+    }
+    let dt = t.dtype;
+    let cd = opmath(dt);
+    // The 1-norm below which the polynomial is exact to the dtype (PyTorch's degree-18
+    // bounds for float and double).
+    let theta = if cd == crate::DType::F64 {
+        1.090863719290036
+    } else {
+        3.010066362817634
+    };
+    let b = &mut *c.b;
+    let batch: Vec<i64> = t.shape[..r - 2].to_vec();
+    let nb = batch.len();
+    let bdims: Vec<i64> = (0..nb as i64).collect();
+    let a = b.convert(t.value, cd);
+    let mm = |b: &mut Builder, x: Value, y: Value| {
+        b.dot_general(x, y, (&bdims, &bdims), (&[nb as i64 + 1], &[nb as i64]), cd)
+    };
+    // s = clamp(ceil(log2(norm / theta)), 0, 64); NaN norms use 0.
+    let abs = b.abs(a);
+    let cols = b.reduce(abs, &[nb as i64], stablehlo::ReduceKind::Sum);
+    let norm = b.reduce(cols, &[nb as i64], stablehlo::ReduceKind::Max);
+    let th = b.splat(norm, theta);
+    let ratio = b.div(norm, th);
+    let lg = b.log(ratio);
+    let ln2 = b.splat(lg, std::f64::consts::LN_2);
+    let l2 = b.div(lg, ln2);
+    let s = b.unary("stablehlo.ceil", l2);
+    let zero = b.splat(s, 0.0);
+    let cap = b.splat(s, 64.0);
+    let s = b.clamp(zero, s, cap);
+    let nan = b.compare(s, s, stablehlo::CmpDir::Ne);
+    let s = b.select(nan, zero, s);
+    let two = b.splat(s, 2.0);
+    let p2 = b.binary("stablehlo.power", two, s);
+    let p2 = b.broadcast_in_dim(p2, &t.shape, &bdims);
+    let a = b.div(a, p2);
+    // Horner: I + A/1 (I + A/2 (I + ... (I + A/18))).
+    let ri = b.iota(crate::DType::I64, &t.shape, nb);
+    let ci = b.iota(crate::DType::I64, &t.shape, nb + 1);
+    let diag = b.compare(ri, ci, stablehlo::CmpDir::Eq);
+    let eye = b.convert(diag, cd);
+    let mut p = eye;
+    for k in (1..=18).rev() {
+        let ap = mm(b, a, p);
+        let kv = b.splat(ap, k as f64);
+        let ap = b.div(ap, kv);
+        p = b.add(eye, ap);
+    }
+    let si = b.convert(s, crate::DType::I32);
+    let steps = b.reduce(si, &bdims, stablehlo::ReduceKind::Max);
+    let i0 = b.constant(crate::DType::I32, 0.0);
+    let shape = t.shape.clone();
+    let out = b.while_loop(
+        &[i0, p],
+        |b, v| b.compare(v[0], steps, stablehlo::CmpDir::Lt),
+        |b, v| {
+            let (i, x) = (v[0], v[1]);
+            let sq = mm(b, x, x);
+            let ib = b.broadcast_in_dim(i, &batch, &[]);
+            let more = b.compare(ib, si, stablehlo::CmpDir::Lt);
+            let more = b.broadcast_in_dim(more, &shape, &bdims);
+            let x = b.select(more, sq, x);
+            let one = b.constant(crate::DType::I32, 1.0);
+            vec![b.add(i, one), x]
+        },
+    );
+    Ok(vec![Out::T(b.convert(out[1], dt))])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::mm", |c| mm(c, ("self", "mat2"))),
     ("aten::addmm", |c| mm(c, ("mat1", "mat2"))),
@@ -189,4 +297,5 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::mv", mv),
     ("aten::addmv", mv),
     ("aten::outer", outer),
+    ("aten::linalg_matrix_exp", matrix_exp),
 ];

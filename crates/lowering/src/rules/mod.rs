@@ -14,6 +14,7 @@ pub mod decomp;
 pub mod foreach;
 pub mod index;
 pub mod linalg;
+pub mod losses;
 pub mod nn;
 pub mod pointwise;
 pub mod random;
@@ -35,6 +36,7 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         special::RULES,
         sorting::RULES,
         decomp::RULES,
+        losses::RULES,
     ]
 }
 

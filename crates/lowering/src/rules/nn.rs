@@ -17,8 +17,8 @@ use stablehlo::{CmpDir, ReduceKind};
 // Small helpers
 // ---------------------------------------------------------------------------------------
 
-/// The dtype a kernel accumulates in.
-fn opmath(d: DType) -> DType {
+/// The dtype a kernel accumulates in (PyTorch's opmath type: f32 for f16/bf16).
+pub fn opmath(d: DType) -> DType {
     match d {
         DType::F16 | DType::BF16 => DType::F32,
         d => d,
@@ -78,30 +78,87 @@ fn expand(v: Vec<i64>, n: usize, what: &str) -> LResult<Vec<i64>> {
     }
 }
 
-/// `result[.., o, ..] = sum_i m[o][i] * x[.., i, ..]` along `dim`. Zero weights are skipped
-/// (selected away), so an inf or NaN outside a window does not leak into it.
+/// The nonzero entries of each row of `m` ([out][in]) as (k, indices, weights), `k` per
+/// row; short rows are padded with index 0 and weight 0.
+fn sparse_rows(m: &[Vec<f64>]) -> (usize, Vec<i64>, Vec<f64>) {
+    let k = m
+        .iter()
+        .map(|row| row.iter().filter(|w| **w != 0.0).count())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let mut idx = Vec::with_capacity(m.len() * k);
+    let mut wts = Vec::with_capacity(m.len() * k);
+    for row in m {
+        let before = idx.len();
+        for (i, w) in row.iter().enumerate().filter(|(_, w)| **w != 0.0) {
+            idx.push(i as i64);
+            wts.push(*w);
+        }
+        for _ in idx.len() - before..k {
+            idx.push(0);
+            wts.push(0.0);
+        }
+    }
+    (k, idx, wts)
+}
+
+/// `x` gathered along `dim` at `idx`, read as rows of `k` indices: `dim` becomes the two
+/// dims (rows, k).
+fn take_rows(b: &mut Builder, x: Value, dim: usize, idx: &[i64], k: usize) -> Value {
+    let xs = b.shape(x);
+    let m = idx.len() as i64;
+    let iv = b.constant_vec_i64(idx);
+    let iv = b.reshape(iv, &[m, 1]);
+    let offset: Vec<i64> = (0..xs.len() as i64).filter(|d| *d != dim as i64).collect();
+    let mut sizes = xs.clone();
+    sizes[dim] = 1;
+    let g = b.gather(x, iv, &offset, &[dim as i64], &[dim as i64], 1, &sizes);
+    let mut shape = xs;
+    shape[dim] = m / k as i64;
+    shape.insert(dim + 1, k as i64);
+    b.reshape(g, &shape)
+}
+
+/// The adjoint of `take_rows`: sums `g`, whose dims `dim`, `dim + 1` are (rows, k), into
+/// `n` slots along `dim` at `idx`.
+fn put_rows(b: &mut Builder, g: Value, dim: usize, idx: &[i64], n: i64) -> Value {
+    let mut gs = b.shape(g);
+    let m = idx.len() as i64;
+    gs.remove(dim + 1);
+    gs[dim] = m;
+    let g = b.reshape(g, &gs);
+    let iv = b.constant_vec_i64(idx);
+    let iv = b.reshape(iv, &[m, 1]);
+    let mut shape = gs.clone();
+    shape[dim] = n;
+    let zero = b.full(b.dtype(g), &shape, 0.0);
+    let win: Vec<i64> = (0..gs.len() as i64).filter(|d| *d != dim as i64).collect();
+    let d = [dim as i64];
+    b.scatter(zero, iv, g, &win, &d, &d, 1, |b, a, u| b.add(a, u))
+}
+
+/// `result[.., o, ..] = sum_i m[o][i] * x[.., i, ..]` along `dim`, gathering only each
+/// row's nonzero entries. Zero weights are skipped (selected away), so an inf or NaN
+/// outside a window does not leak into it.
 fn mix(b: &mut Builder, x: Value, dim: usize, m: &[Vec<f64>]) -> Value {
     let xs = b.shape(x);
-    let (out, inn) = (m.len() as i64, xs[dim]);
+    let out = m.len() as i64;
     let dt = b.dtype(x);
-    let flat: Vec<f64> = m.iter().flatten().copied().collect();
-    if out == 0 || inn == 0 {
+    if out == 0 || numel(&xs) == 0 {
         let mut shape = xs.clone();
         shape[dim] = out;
         return b.full(dt, &shape, 0.0);
     }
-    let mc = const_vec(b, dt, &flat);
-    let mc = b.reshape(mc, &[out, inn]);
-    let mut big = xs.clone();
-    big.insert(dim, out);
-    let xdims: Vec<i64> = (0..xs.len())
-        .map(|i| if i < dim { i as i64 } else { i as i64 + 1 })
-        .collect();
-    let xb = b.broadcast_in_dim(x, &big, &xdims);
-    let mb = b.broadcast_in_dim(mc, &big, &[dim as i64, dim as i64 + 1]);
-    let z = b.splat(mb, 0.0);
-    let nz = b.compare(mb, z, CmpDir::Ne);
-    let p = b.mul(xb, mb);
+    let (k, idx, wts) = sparse_rows(m);
+    let g = take_rows(b, x, dim, &idx, k);
+    let gs = b.shape(g);
+    let w = const_vec(b, dt, &wts);
+    let w = b.reshape(w, &[out, k as i64]);
+    let wb = b.broadcast_in_dim(w, &gs, &[dim as i64, dim as i64 + 1]);
+    let z = b.splat(wb, 0.0);
+    let nz = b.compare(wb, z, CmpDir::Ne);
+    let p = b.mul(g, wb);
     let p = b.select(nz, p, z);
     b.reduce(p, &[dim as i64 + 1], ReduceKind::Sum)
 }
@@ -326,6 +383,37 @@ fn batch_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     } else {
         outs.push(Out::None);
     }
+    Ok(outs)
+}
+
+/// `_native_batch_norm_legit`: its schema marks the running stats as written, so in
+/// evaluation mode they are written back unchanged.
+fn batch_norm_legit(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let outs = batch_norm(c)?;
+    for name in ["running_mean", "running_var"] {
+        if let Some(t) = c.args.opt_tensor(name) {
+            if !c.writes.iter().any(|(n, _)| n == name) {
+                let v = t.value;
+                c.write_arg(name, v);
+            }
+        }
+    }
+    Ok(outs)
+}
+
+/// `_batch_norm_with_update`: training-mode batch norm updating the running stats, plus
+/// an empty uint8 `reserve` (what the CPU kernel returns).
+fn batch_norm_with_update(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let mut args = c.args.clone();
+    args.items.retain(|(n, _)| n != "training");
+    args.items.push(("training".into(), crate::Arg::Bool(true)));
+    let mut sub = Ctx::new(&mut *c.b, c.op, c.overload, &args);
+    let mut outs = batch_norm(&mut sub)?;
+    let writes = std::mem::take(&mut sub.writes);
+    for (name, v) in writes {
+        c.write_arg(&name, v);
+    }
+    outs.push(Out::T(c.b.full(DType::U8, &[0], 0.0)));
     Ok(outs)
 }
 
@@ -595,7 +683,7 @@ fn group_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
 // ---------------------------------------------------------------------------------------
 
 /// The `reduction` argument: 0 none, 1 mean, 2 sum.
-fn reduction(c: &Ctx) -> LResult<i64> {
+pub(crate) fn reduction(c: &Ctx) -> LResult<i64> {
     let r = c.args.int_or("reduction", 1);
     if !(0..=2).contains(&r) {
         return decline(format!("unknown reduction {r}"));
@@ -603,7 +691,7 @@ fn reduction(c: &Ctx) -> LResult<i64> {
     Ok(r)
 }
 
-fn reduce_loss(b: &mut Builder, x: Value, r: i64) -> Value {
+pub(crate) fn reduce_loss(b: &mut Builder, x: Value, r: i64) -> Value {
     if r == 0 {
         return x;
     }
@@ -619,7 +707,7 @@ fn reduce_loss(b: &mut Builder, x: Value, r: i64) -> Value {
 }
 
 /// `grad_output` broadcast over the loss elements (already divided by their count for mean).
-fn loss_grad(b: &mut Builder, g: Value, shape: &[i64], r: i64) -> Value {
+pub(crate) fn loss_grad(b: &mut Builder, g: Value, shape: &[i64], r: i64) -> Value {
     let g = b.broadcast_to(g, shape);
     if r == 1 {
         let n = b.splat(g, numel(shape) as f64);
@@ -1181,6 +1269,9 @@ fn convolution(c: &mut Ctx) -> LResult<Vec<Out>> {
     let p = conv_args(c, &x, &w)?;
     let n = x.shape.len() - 2;
     let b = &mut *c.b;
+    // Half types convolve and add the bias in f32, rounding once.
+    let cd = opmath(x.dtype);
+    let (xv, wv) = (b.convert(x.value, cd), b.convert(w.value, cd));
     let y = if p.transposed {
         let out_sp: Vec<i64> = (0..n)
             .map(|i| {
@@ -1190,20 +1281,20 @@ fn convolution(c: &mut Ctx) -> LResult<Vec<Out>> {
                     + 1
             })
             .collect();
-        conv_input_grad(b, x.value, w.value, &p, &out_sp)
+        conv_input_grad(b, xv, wv, &p, &out_sp)
     } else {
-        conv_fwd(b, x.value, w.value, &p)
+        conv_fwd(b, xv, wv, &p)
     };
     let y = match bias {
         Some(bias) => {
-            let bv = b.convert(bias.value, x.dtype);
+            let bv = b.convert(bias.value, cd);
             let shape = b.shape(y);
             let bb = per_channel(b, bv, &shape);
             b.add(y, bb)
         }
         None => y,
     };
-    Ok(vec![Out::T(y)])
+    Ok(vec![Out::T(b.convert(y, x.dtype))])
 }
 
 /// convolution_backward / convolution_backward_overrideable.
@@ -1228,6 +1319,18 @@ fn convolution_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
             conv_fwd(b, gy.value, w.value, &p)
         } else {
             conv_input_grad(b, gy.value, w.value, &p, &x.shape[2..])
+        };
+        // With output padding, a transposed convolution's gradient can have windows past
+        // the input's end; no input element receives them.
+        let gs = b.shape(gi);
+        let gi = if p.transposed
+            && gs.len() == x.shape.len()
+            && gs.iter().zip(&x.shape).all(|(g, s)| g >= s)
+        {
+            let r = x.shape.len();
+            b.slice(gi, &vec![0; r], &x.shape, &vec![1; r])
+        } else {
+            gi
         };
         if b.shape(gi) != x.shape {
             return decline("convolution_backward: input gradient shape");
@@ -1262,15 +1365,254 @@ fn convolution_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
 }
 
 // ---------------------------------------------------------------------------------------
+// Attention (the CPU flash-attention entry points)
+// ---------------------------------------------------------------------------------------
+
+const SDPA: &str = "scaled_dot_product_attention_flash_attention";
+
+/// Attention arguments: [B, H, L, E] query, [B, H / rep, S, E] key and value.
+struct Sdpa {
+    q: TensorArg,
+    k: TensorArg,
+    v: TensorArg,
+    mask: Option<TensorArg>,
+    causal: bool,
+    scale: f64,
+    rep: i64,
+}
+
+fn sdpa_args(c: &Ctx) -> LResult<Sdpa> {
+    let q = tensor(c, "query")?;
+    let k = tensor(c, "key")?;
+    let v = tensor(c, "value")?;
+    let mask = c.args.opt_tensor("attn_mask").cloned();
+    let err = |m: String| user_err(ErrorKind::Runtime, format!("{SDPA}: {m}"));
+    if !q.dtype.is_float() {
+        return err(format!(
+            "Expected data type in FP32, FP64, BF16, FP16, but got {} instead.",
+            torch_name(q.dtype)
+        ));
+    }
+    if [&q, &k, &v].iter().any(|t| t.shape.len() != 4) {
+        return err("Accept only 4 dims inputs shape of {B, H, T, K}".into());
+    }
+    if c.args.float("dropout_p").unwrap_or(0.0) > 0.0 {
+        return err("Currently do not support dropout > 0".into());
+    }
+    if k.shape[3] != q.shape[3] || v.shape[3] != q.shape[3] {
+        return err("Q/K/V should have the same head size".into());
+    }
+    if let Some(m) = &mask {
+        if m.dtype != q.dtype {
+            return err("Attention mask is the same data type as query".into());
+        }
+        if m.shape.len() != 2 && m.shape.len() != 4 {
+            return err("Attention mask dim in {2, 4}".into());
+        }
+        let full = [q.shape[0], q.shape[1], q.shape[2], k.shape[2]];
+        let off = 4 - m.shape.len();
+        if m.shape
+            .iter()
+            .enumerate()
+            .any(|(i, d)| *d != 1 && *d != full[off + i])
+        {
+            return decline("attention mask does not broadcast");
+        }
+    }
+    for t in [&k, &v] {
+        if t.dtype != q.dtype {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "expected scalar type {} but found {}",
+                    torch_name(q.dtype),
+                    torch_name(t.dtype)
+                ),
+            );
+        }
+    }
+    let (qs, ks, vs) = (&q.shape, &k.shape, &v.shape);
+    if ks[0] != qs[0]
+        || vs[0] != qs[0]
+        || ks[1] != vs[1]
+        || ks[2] != vs[2]
+        || ks[1] == 0
+        || qs[1] % ks[1] != 0
+        || [qs, ks].iter().any(|s| numel(s) == 0)
+    {
+        // The CPU kernel reads out of bounds for mismatched batch or head counts.
+        return decline("attention: batch, head or length mismatch, or empty input");
+    }
+    let scale = c
+        .args
+        .opt_float("scale")
+        .unwrap_or(1.0 / (qs[3] as f64).sqrt());
+    Ok(Sdpa {
+        rep: qs[1] / ks[1],
+        causal: c.args.bool_or("is_causal", false),
+        q,
+        k,
+        v,
+        mask,
+        scale,
+    })
+}
+
+/// Key/value heads repeated for the query heads they serve (h -> h / rep).
+fn sdpa_heads(b: &mut Builder, x: Value, rep: i64) -> Value {
+    if rep == 1 {
+        return x;
+    }
+    let s = b.shape(x);
+    let big = [s[0], s[1], rep, s[2], s[3]];
+    let x = b.broadcast_in_dim(x, &big, &[0, 1, 3, 4]);
+    b.reshape(x, &[s[0], s[1] * rep, s[2], s[3]])
+}
+
+/// Gradients of repeated heads summed back onto their key/value head.
+fn sdpa_unheads(b: &mut Builder, g: Value, rep: i64) -> Value {
+    if rep == 1 {
+        return g;
+    }
+    let s = b.shape(g);
+    let g = b.reshape(g, &[s[0], s[1] / rep, rep, s[2], s[3]]);
+    b.reduce(g, &[2], ReduceKind::Sum)
+}
+
+/// Rounds to the input dtype and back, where the CPU kernel feeds a half-precision gemm.
+fn sdpa_round(b: &mut Builder, x: Value, dt: DType) -> Value {
+    if opmath(dt) == dt {
+        return x;
+    }
+    let r = b.convert(x, dt);
+    b.convert(r, opmath(dt))
+}
+
+/// (scaled, masked scores [B, H, L, S], query, expanded key, expanded value), in opmath.
+fn sdpa_scores(b: &mut Builder, a: &Sdpa) -> (Value, Value, Value, Value) {
+    let cd = opmath(a.q.dtype);
+    let q = b.convert(a.q.value, cd);
+    let k = b.convert(a.k.value, cd);
+    let v = b.convert(a.v.value, cd);
+    let k = sdpa_heads(b, k, a.rep);
+    let v = sdpa_heads(b, v, a.rep);
+    let s = b.dot_general(q, k, (&[0, 1], &[0, 1]), (&[3], &[3]), cd);
+    let sc = b.splat(s, a.scale);
+    let mut s = b.mul(s, sc);
+    let shape = b.shape(s);
+    if let Some(m) = &a.mask {
+        let mv = b.convert(m.value, cd);
+        let mv = b.broadcast_to(mv, &shape);
+        s = b.add(s, mv);
+    }
+    if a.causal {
+        let i = b.iota(DType::I64, &shape, 2);
+        let j = b.iota(DType::I64, &shape, 3);
+        let keep = b.compare(i, j, CmpDir::Ge);
+        let ninf = b.splat(s, f64::NEG_INFINITY);
+        s = b.select(keep, s, ninf);
+    }
+    (s, q, k, v)
+}
+
+/// `_scaled_dot_product_flash_attention_for_cpu`: (output, logsumexp). Rows masked out
+/// entirely give zeros and a logsumexp of 0, as the CPU kernel returns.
+fn sdpa_flash(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = sdpa_args(c)?;
+    let b = &mut *c.b;
+    let dt = a.q.dtype;
+    let (s, _, _, v) = sdpa_scores(b, &a);
+    let shape = b.shape(s);
+    let m = b.reduce(s, &[3], ReduceKind::Max);
+    let ninf = b.splat(m, f64::NEG_INFINITY);
+    let empty = b.compare(m, ninf, CmpDir::Eq);
+    let z = b.splat(m, 0.0);
+    let m = b.select(empty, z, m);
+    let mb = b.broadcast_in_dim(m, &shape, &[0, 1, 2]);
+    let d = b.sub(s, mb);
+    let p = b.exp(d);
+    let l = b.reduce(p, &[3], ReduceKind::Sum);
+    let pr = sdpa_round(b, p, dt);
+    let o = b.dot_general(pr, v, (&[0, 1], &[0, 1]), (&[3], &[2]), opmath(dt));
+    let oshape = b.shape(o);
+    let one = b.splat(l, 1.0);
+    let lsafe = b.select(empty, one, l);
+    let lb = b.broadcast_in_dim(lsafe, &oshape, &[0, 1, 2]);
+    let o = b.div(o, lb);
+    let eb = b.broadcast_in_dim(empty, &oshape, &[0, 1, 2]);
+    let zo = b.splat(o, 0.0);
+    let o = b.select(eb, zo, o);
+    let ll = b.log(lsafe);
+    let lse = b.add(m, ll);
+    let lse = b.select(empty, z, lse);
+    Ok(vec![Out::T(b.convert(o, dt)), Out::T(lse)])
+}
+
+/// `_scaled_dot_product_flash_attention_for_cpu_backward`: (grad_query, grad_key,
+/// grad_value) from the probabilities rebuilt with the saved logsumexp.
+fn sdpa_flash_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = sdpa_args(c)?;
+    let go = tensor(c, "grad_out")?;
+    let out = tensor(c, "out")?;
+    let lse = tensor(c, "logsumexp")?;
+    let b = &mut *c.b;
+    let dt = a.q.dtype;
+    let cd = opmath(dt);
+    let (s, q, k, v) = sdpa_scores(b, &a);
+    let shape = b.shape(s);
+    let (bq, hq, lq) = (shape[0], shape[1], shape[2]);
+    if go.shape != a.q.shape || out.shape != a.q.shape || lse.shape != [bq, hq, lq] {
+        return decline("attention backward: grad_out, out or logsumexp shape");
+    }
+    let lv = b.convert(lse.value, cd);
+    let lb = b.broadcast_in_dim(lv, &shape, &[0, 1, 2]);
+    let d = b.sub(s, lb);
+    let p = b.exp(d);
+    let pr = sdpa_round(b, p, dt);
+    let g = b.convert(go.value, cd);
+    let o = b.convert(out.value, cd);
+    let dv = b.dot_general(pr, g, (&[0, 1], &[0, 1]), (&[2], &[2]), cd);
+    let dp = b.dot_general(g, v, (&[0, 1], &[0, 1]), (&[3], &[3]), cd);
+    let go_o = b.mul(g, o);
+    let dsum = b.reduce(go_o, &[3], ReduceKind::Sum);
+    let db = b.broadcast_in_dim(dsum, &shape, &[0, 1, 2]);
+    let ds = b.sub(dp, db);
+    let ds = b.mul(p, ds);
+    let dsr = sdpa_round(b, ds, dt);
+    let dq = b.dot_general(dsr, k, (&[0, 1], &[0, 1]), (&[3], &[2]), cd);
+    let dk = b.dot_general(dsr, q, (&[0, 1], &[0, 1]), (&[2], &[2]), cd);
+    let sc = b.splat(dq, a.scale);
+    let dq = b.mul(dq, sc);
+    let sk = b.splat(dk, a.scale);
+    let dk = b.mul(dk, sk);
+    let dk = sdpa_unheads(b, dk, a.rep);
+    let dv = sdpa_unheads(b, dv, a.rep);
+    Ok(vec![
+        Out::T(b.convert(dq, dt)),
+        Out::T(b.convert(dk, dt)),
+        Out::T(b.convert(dv, dt)),
+    ])
+}
+
+// ---------------------------------------------------------------------------------------
 // Pooling
 // ---------------------------------------------------------------------------------------
 
+/// Pooling parameters of the last `k.len()` dims.
 struct Pool {
-    k: [i64; 2],
-    s: [i64; 2],
-    p: [i64; 2],
-    d: [i64; 2],
-    out: [i64; 2],
+    k: Vec<i64>,
+    s: Vec<i64>,
+    p: Vec<i64>,
+    d: Vec<i64>,
+    out: Vec<i64>,
+}
+
+/// `shape` with its last `sp.len()` dims replaced by `sp`.
+fn with_spatial(shape: &[i64], sp: &[i64]) -> Vec<i64> {
+    let mut s = shape.to_vec();
+    let r = s.len();
+    s[r - sp.len()..].copy_from_slice(sp);
+    s
 }
 
 /// Floor division for any signs.
@@ -1310,130 +1652,161 @@ fn pool_out(inp: i64, k: i64, p: i64, s: i64, d: i64, ceil: bool) -> LResult<i64
     Ok(o)
 }
 
-/// The two ints of a pooling parameter given as one or two ints (`None` when empty).
-fn pair_of(v: &[i64]) -> Option<[i64; 2]> {
+/// A pooling parameter given as one int or one per pooled dim (`None` otherwise).
+fn per_dim(v: &[i64], n: usize) -> Option<Vec<i64>> {
     match v.len() {
-        1 => Some([v[0], v[0]]),
-        2 => Some([v[0], v[1]]),
+        1 => Some(vec![v[0]; n]),
+        l if l == n => Some(v.to_vec()),
         _ => None,
     }
 }
 
-/// Reads and checks max_pool2d / avg_pool2d parameters for input `x`.
-fn pool_args(c: &Ctx, name: &str, x: &TensorArg, with_dilation: bool) -> LResult<Pool> {
-    let Some(k) = pair_of(&c.args.ints("kernel_size")?) else {
-        return user_err(
+/// PyTorch's listing of a per-dim parameter, "kT: 1 kH: 2 kW: 3" (T, H, W name the last
+/// dims).
+fn dim_list(prefix: &str, v: &[i64]) -> String {
+    let names = ["T", "H", "W"];
+    let names = &names[3 - v.len().min(3)..];
+    let items: Vec<String> = v
+        .iter()
+        .zip(names)
+        .map(|(x, l)| format!("{prefix}{l}: {x}"))
+        .collect();
+    items.join(" ")
+}
+
+/// Fails like PyTorch when a dim of `shape` from `from` on is empty.
+fn check_nonempty(fname: &str, shape: &[i64], from: usize) -> LResult<()> {
+    match (from..shape.len()).find(|i| shape[*i] == 0) {
+        Some(i) => user_err(
             ErrorKind::Runtime,
-            format!("{name}: kernel_size must either be a single int, or a tuple of two ints"),
-        );
+            format!(
+                "{fname}(): Expected input to have non-zero size for non-batch dimensions, but input has sizes {} with dimension {i} being empty",
+                shape_str(shape)
+            ),
+        ),
+        None => Ok(()),
+    }
+}
+
+/// Reads and checks max_pool{2,3}d / avg_pool{2,3}d parameters for input `x` with `n`
+/// pooled dims, in PyTorch's order and words.
+fn pool_args(c: &Ctx, name: &str, x: &TensorArg, with_dilation: bool, n: usize) -> LResult<Pool> {
+    let err = |m: String| user_err::<Pool>(ErrorKind::Runtime, m);
+    let count = if n == 2 { "two" } else { "three" };
+    // avg_pool3d words its argument errors without "either".
+    let either = if name == "avg_pool3d" { "" } else { "either " };
+    let Some(k) = per_dim(&c.args.ints("kernel_size")?, n) else {
+        return err(format!(
+            "{name}: kernel_size must {either}be a single int, or a tuple of {count} ints"
+        ));
     };
     let sv = c.args.ints("stride").unwrap_or_default();
     let s = if sv.is_empty() {
-        k
+        Some(k.clone())
     } else {
-        match pair_of(&sv) {
-            Some(s) => s,
-            None => {
-                return user_err(
-                    ErrorKind::Runtime,
-                    format!(
-                    "{name}: stride must either be omitted, a single int, or a tuple of two ints"
-                ),
-                )
-            }
-        }
+        per_dim(&sv, n)
     };
-    let Some(p) = pair_of(&c.args.ints("padding")?) else {
-        return user_err(
-            ErrorKind::Runtime,
-            format!("{name}: padding must either be a single int, or a tuple of two ints"),
-        );
+    let Some(s) = s else {
+        return err(format!(
+            "{name}: stride must {either}be omitted, a single int, or a tuple of {count} ints"
+        ));
+    };
+    let Some(p) = per_dim(&c.args.ints("padding")?, n) else {
+        return err(format!(
+            "{name}: padding must {either}be a single int, or a tuple of {count} ints"
+        ));
     };
     let d = if with_dilation {
-        match pair_of(&c.args.ints("dilation")?) {
-            Some(d) => d,
-            None => {
-                return user_err(
-                    ErrorKind::Runtime,
-                    format!("{name}: dilation must be either a single int, or a tuple of two ints"),
-                )
-            }
-        }
+        per_dim(&c.args.ints("dilation")?, n)
     } else {
-        [1, 1]
+        Some(vec![1; n])
+    };
+    let Some(d) = d else {
+        return err(format!(
+            "{name}: dilation must be either a single int, or a tuple of {count} ints"
+        ));
     };
     if c.args.opt_int("divisor_override") == Some(0) {
-        return user_err(ErrorKind::Runtime, "divisor must be not zero");
+        return err("divisor must be not zero".into());
     }
     let r = x.shape.len();
-    if r != 3 && r != 4 {
-        if with_dilation {
-            return user_err(
-                ErrorKind::Runtime,
-                "non-empty 3D or 4D (batch mode) tensor expected for input",
-            );
+    if r != n + 1 && r != n + 2 {
+        if with_dilation || n == 3 {
+            return err(format!(
+                "non-empty {}D or {}D (batch mode) tensor expected for input",
+                n + 1,
+                n + 2
+            ));
         }
         return decline(format!("{name}: input of rank {r}"));
     }
+    if n == 3 {
+        let f = if with_dilation {
+            "max_pool3d_with_indices_out_cpu_template"
+        } else {
+            "avg_pool3d"
+        };
+        check_nonempty(f, &x.shape, r - n - 1)?;
+    }
     let ceil = c.args.bool_or("ceil_mode", false);
-    let (h, w) = (x.shape[r - 2], x.shape[r - 1]);
-    let oh = pool_out(h, k[0], p[0], s[0], d[0], ceil)?;
-    let ow = pool_out(w, k[1], p[1], s[1], d[1], ceil)?;
-    if k[0] <= 0 || k[1] <= 0 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "kernel size should be greater than zero, but got kH: {} kW: {}",
-                k[0], k[1]
-            ),
-        );
+    let sp = &x.shape[r - n..];
+    let out = (0..n)
+        .map(|i| pool_out(sp[i], k[i], p[i], s[i], d[i], ceil))
+        .collect::<LResult<Vec<i64>>>()?;
+    if k.iter().any(|v| *v <= 0) {
+        return err(format!(
+            "kernel size should be greater than zero, but got {}",
+            dim_list("k", &k)
+        ));
     }
-    if s[0] <= 0 || s[1] <= 0 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "stride should be greater than zero, but got dH: {} dW: {}",
-                s[0], s[1]
-            ),
-        );
+    if s.iter().any(|v| *v <= 0) {
+        return err(format!(
+            "stride should be greater than zero, but got {}",
+            dim_list("d", &s)
+        ));
     }
-    if d[0] <= 0 || d[1] <= 0 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "dilation should be greater than zero, but got dilationH: {} dilationW: {}",
-                d[0], d[1]
-            ),
-        );
+    if d.iter().any(|v| *v <= 0) {
+        return err(format!(
+            "dilation should be greater than zero, but got {}",
+            dim_list("dilation", &d)
+        ));
     }
-    if x.shape[r - 3..].contains(&0) {
+    if n == 2 && x.shape[r - 3..].contains(&0) {
         return decline(format!("{name}: empty non-batch dims"));
     }
-    if k[1] / 2 < p[1] || k[0] / 2 < p[0] {
-        return user_err(
-            ErrorKind::Runtime,
+    if n == 3 && !with_dilation && (0..n).any(|i| sp[i] < k[i]) {
+        return err(format!(
+            "input image ({}) smaller than kernel size ({})",
+            dim_list("", sp),
+            dim_list("k", &k)
+        ));
+    }
+    if (0..n).any(|i| k[i] / 2 < p[i]) {
+        return err(if n == 2 {
             format!(
                 "pad should be smaller than or equal to half of kernel size, but got padW = {}, padH = {}, kW = {}, kH = {}",
                 p[1], p[0], k[1], k[0]
-            ),
-        );
-    }
-    if oh < 1 || ow < 1 {
-        let ch = x.shape[r - 3];
-        return user_err(
-            ErrorKind::Runtime,
+            )
+        } else {
             format!(
-                "Given input size: ({ch}x{h}x{w}). Calculated output size: ({ch}x{oh}x{ow}). Output size is too small"
-            ),
-        );
+                "pad should be smaller than or equal to half of kernel size, but got kT: {} kW: {} kH: {} padT: {} padW: {} padH: {}",
+                k[0], k[2], k[1], p[0], p[2], p[1]
+            )
+        });
     }
-    Ok(Pool {
-        k,
-        s,
-        p,
-        d,
-        out: [oh, ow],
-    })
+    if out.iter().any(|o| *o < 1) {
+        let ch = x.shape[r - n - 1];
+        let join = |v: &[i64]| {
+            let s: Vec<String> = v.iter().map(|x| x.to_string()).collect();
+            s.join("x")
+        };
+        return err(format!(
+            "Given input size: ({ch}x{}). Calculated output size: ({ch}x{}). Output size is too small",
+            join(sp),
+            join(&out)
+        ));
+    }
+    Ok(Pool { k, s, p, d, out })
 }
 
 /// Window, stride, dilation and padding over all dims of a rank-`r` input (the leading
@@ -1441,12 +1814,13 @@ fn pool_args(c: &Ctx, name: &str, x: &TensorArg, with_dilation: bool) -> LResult
 #[allow(clippy::type_complexity)]
 fn pool_window(pl: &Pool, shape: &[i64]) -> (Vec<i64>, Vec<i64>, Vec<i64>, Vec<(i64, i64)>) {
     let r = shape.len();
+    let n = pl.k.len();
     let mut win = vec![1; r];
     let mut st = vec![1; r];
     let mut dil = vec![1; r];
     let mut pad = vec![(0, 0); r];
-    for i in 0..2 {
-        let j = r - 2 + i;
+    for i in 0..n {
+        let j = r - n + i;
         win[j] = pl.k[i];
         st[j] = pl.s[i];
         dil[j] = pl.d[i];
@@ -1457,25 +1831,69 @@ fn pool_window(pl: &Pool, shape: &[i64]) -> (Vec<i64>, Vec<i64>, Vec<i64>, Vec<(
     (win, st, dil, pad)
 }
 
-/// max_pool2d_with_indices: the max of each window and its flat index in the (h, w) plane.
-/// Ties keep the first index; NaN wins, and among NaNs the last one, as PyTorch's scan does.
-fn max_pool2d(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let x = tensor(c, "self")?;
-    let pl = pool_args(c, "max_pool2d", &x, true)?;
-    if x.dtype == DType::Bool {
-        return decline("max_pool2d: bool input");
+/// The flat index of every element within its trailing `n`-dim volume, shaped `shape`.
+fn flat_index(b: &mut Builder, shape: &[i64], n: usize) -> Value {
+    let r = shape.len();
+    let sp = &shape[r - n..];
+    let mut idx = b.iota(DType::I64, sp, n - 1);
+    let mut stride = sp[n - 1];
+    for j in (0..n - 1).rev() {
+        let io = b.iota(DType::I64, sp, j);
+        let k = b.splat(io, stride as f64);
+        let t = b.mul(io, k);
+        idx = b.add(idx, t);
+        stride *= sp[j];
     }
-    let r = x.shape.len();
-    let (h, w) = (x.shape[r - 2], x.shape[r - 1]);
+    let dims: Vec<i64> = (r - n..r).map(|d| d as i64).collect();
+    b.broadcast_in_dim(idx, shape, &dims)
+}
+
+/// Of two (value, index) pairs, the one a max pooling keeps: the larger value, the first
+/// index on ties; NaN wins, and among NaNs the last one, as PyTorch's scan does.
+fn argmax_pick(b: &mut Builder, a: &[Value]) -> Vec<Value> {
+    let (av, ai, bv, bi) = (a[0], a[1], a[2], a[3]);
+    let a_nan = b.compare(av, av, CmpDir::Ne);
+    let b_nan = b.compare(bv, bv, CmpDir::Ne);
+    let a_first = b.compare(ai, bi, CmpDir::Lt);
+    let a_last = b.not(a_first);
+    let both = b.and(a_nan, b_nan);
+    let both = b.and(both, a_last);
+    let b_num = b.not(b_nan);
+    let only_a = b.and(a_nan, b_num);
+    let gt = b.compare(av, bv, CmpDir::Gt);
+    let eq = b.compare(av, bv, CmpDir::Eq);
+    let tie = b.and(eq, a_first);
+    let pick = b.or(both, only_a);
+    let pick = b.or(pick, gt);
+    let pick = b.or(pick, tie);
+    vec![b.select(pick, av, bv), b.select(pick, ai, bi)]
+}
+
+/// Zeros of `shape` as the outputs of an op whose result has no elements.
+fn empty_outs(b: &mut Builder, dtypes: &[DType], shape: &[i64]) -> Vec<Out> {
+    dtypes
+        .iter()
+        .map(|d| Out::T(b.full(*d, shape, 0.0)))
+        .collect()
+}
+
+/// max_pool{2,3}d_with_indices: the max of each window and its flat index in the pooled
+/// volume.
+fn max_pool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
+    let x = tensor(c, "self")?;
+    let name = if n == 2 { "max_pool2d" } else { "max_pool3d" };
+    let pl = pool_args(c, name, &x, true, n)?;
+    if x.dtype == DType::Bool {
+        return decline(format!("{name}: bool input"));
+    }
+    let want = with_spatial(&x.shape, &pl.out);
     let b = &mut *c.b;
-    let ih = b.iota(DType::I64, &[h, w], 0);
-    let iw = b.iota(DType::I64, &[h, w], 1);
-    let wk = b.splat(ih, w as f64);
-    let idx = b.mul(ih, wk);
-    let idx = b.add(idx, iw);
-    let idx = b.broadcast_in_dim(idx, &x.shape, &[r as i64 - 2, r as i64 - 1]);
+    if numel(&x.shape) == 0 {
+        return Ok(empty_outs(b, &[x.dtype, DType::I64], &want));
+    }
+    let idx = flat_index(b, &x.shape, n);
     let (win, st, dil, pad) = pool_window(&pl, &x.shape);
-    let vinit = b.constant(x.dtype, stablehlo::ReduceKind::Max.init(x.dtype));
+    let vinit = b.constant(x.dtype, ReduceKind::Max.init(x.dtype));
     let iinit = b.constant_i64(DType::I64, i64::MAX);
     let res = b.reduce_window_with(
         &[x.value, idx],
@@ -1484,74 +1902,24 @@ fn max_pool2d(c: &mut Ctx) -> LResult<Vec<Out>> {
         &st,
         &dil,
         &pad,
-        |b, a| {
-            let (av, ai, bv, bi) = (a[0], a[1], a[2], a[3]);
-            let a_nan = b.compare(av, av, CmpDir::Ne);
-            let b_nan = b.compare(bv, bv, CmpDir::Ne);
-            let a_first = b.compare(ai, bi, CmpDir::Lt);
-            let a_last = b.not(a_first);
-            let both = b.and(a_nan, b_nan);
-            let both = b.and(both, a_last);
-            let b_num = b.not(b_nan);
-            let only_a = b.and(a_nan, b_num);
-            let gt = b.compare(av, bv, CmpDir::Gt);
-            let eq = b.compare(av, bv, CmpDir::Eq);
-            let tie = b.and(eq, a_first);
-            let pick = b.or(both, only_a);
-            let pick = b.or(pick, gt);
-            let pick = b.or(pick, tie);
-            vec![b.select(pick, av, bv), b.select(pick, ai, bi)]
-        },
+        argmax_pick,
     );
-    let mut want = x.shape.clone();
-    want[r - 2] = pl.out[0];
-    want[r - 1] = pl.out[1];
     if b.shape(res[0]) != want {
-        return decline("max_pool2d: window arithmetic mismatch");
+        return decline(format!("{name}: window arithmetic mismatch"));
     }
     Ok(vec![Out::T(res[0]), Out::T(res[1])])
 }
 
-/// Adds `updates[m]` into `operand` at `indices[m, :]` (one full index per update).
-fn scatter_add(b: &mut Builder, operand: Value, indices: Value, updates: Value) -> Value {
-    let dt = b.dtype(operand);
-    let st = TensorType::scalar(dt);
-    let region = b.region(&[st.clone(), st], |b, a| vec![b.add(a[0], a[1])]);
-    let dims: Vec<i64> = (0..b.rank(operand) as i64).collect();
-    let l = stablehlo::i64_list(&dims);
-    let attrs = format!(
-        "scatter_dimension_numbers = #stablehlo.scatter<update_window_dims = [], inserted_window_dims = {l}, scatter_dims_to_operand_dims = {l}, index_vector_dim = 1>, indices_are_sorted = false, unique_indices = false"
-    );
-    let ty = b.ty(operand).clone();
-    b.op_regions(
-        "stablehlo.scatter",
-        &[operand, indices, updates],
-        &[region],
-        &attrs,
-        &[ty],
-    )[0]
-}
-
-fn max_pool2d_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let gy = tensor(c, "grad_output")?;
-    let x = tensor(c, "self")?;
-    let ind = tensor(c, "indices")?;
-    let pl = pool_args(c, "max_pool2d", &x, true)?;
-    float_input(&x, "max_pool2d_backward")?;
+/// The input gradient of a max-style pooling: each `gy` element added into the element of
+/// its plane that `ind` (a flat index in the last `n` dims of `x`) names.
+fn index_grad(b: &mut Builder, gy: &TensorArg, ind: &TensorArg, x: &TensorArg, n: usize) -> Value {
     let r = x.shape.len();
-    let mut want = x.shape.clone();
-    want[r - 2] = pl.out[0];
-    want[r - 1] = pl.out[1];
-    if gy.shape != want || ind.shape != want {
-        return decline("max_pool2d_backward: grad_output/indices shape");
-    }
-    let planes: i64 = x.shape[..r - 2].iter().product();
-    let hw = x.shape[r - 2] * x.shape[r - 1];
-    let l = pl.out[0] * pl.out[1];
+    let planes = numel(&x.shape[..r - n]);
+    let vol = numel(&x.shape[r - n..]);
+    let l = numel(&gy.shape[r - n..]);
     let m = planes * l;
     let cd = opmath(x.dtype);
-    let b = &mut *c.b;
-    let zero = b.full(cd, &[planes, hw], 0.0);
+    let zero = b.full(cd, &[planes, vol], 0.0);
     let idx = b.convert(ind.value, DType::I64);
     let idx = b.reshape(idx, &[m, 1]);
     let plane = b.iota(DType::I64, &[planes, l], 0);
@@ -1559,12 +1927,32 @@ fn max_pool2d_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let both = b.concatenate(&[plane, idx], 1);
     let g = b.convert(gy.value, cd);
     let g = b.reshape(g, &[m]);
-    let gi = scatter_add(b, zero, both, g);
+    let gi = b.scatter(zero, both, g, &[], &[0, 1], &[0, 1], 1, |b, a, u| {
+        b.add(a, u)
+    });
     let gi = b.reshape(gi, &x.shape);
-    Ok(vec![Out::T(b.convert(gi, x.dtype))])
+    b.convert(gi, x.dtype)
 }
 
-/// Divisors of avg_pool2d along one dim: the window length clipped to the padded input
+/// max_pool{2,3}d_with_indices_backward.
+fn max_pool_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
+    let gy = tensor(c, "grad_output")?;
+    let x = tensor(c, "self")?;
+    let ind = tensor(c, "indices")?;
+    let name = if n == 2 { "max_pool2d" } else { "max_pool3d" };
+    let pl = pool_args(c, name, &x, true, n)?;
+    float_input(&x, "max_pool_backward")?;
+    let want = with_spatial(&x.shape, &pl.out);
+    if gy.shape != want || ind.shape != want {
+        return decline("max_pool_backward: grad_output/indices shape");
+    }
+    if numel(&x.shape) == 0 {
+        return Ok(empty_outs(c.b, &[x.dtype], &x.shape));
+    }
+    Ok(vec![Out::T(index_grad(c.b, &gy, &ind, &x, n))])
+}
+
+/// Divisors of avg pooling along one dim: the window length clipped to the padded input
 /// (count_include_pad) or to the input.
 fn avg_counts(inp: i64, k: i64, s: i64, p: i64, out: i64, include_pad: bool) -> Vec<f64> {
     (0..out)
@@ -1580,29 +1968,60 @@ fn avg_counts(inp: i64, k: i64, s: i64, p: i64, out: i64, include_pad: bool) -> 
         .collect()
 }
 
-/// The divisor of each avg_pool2d output, as a value of `shape` (outputs in the last 2 dims).
+/// The outer product of per-dim constants as a value of `shape` (they span its last dims).
+fn outer_const(b: &mut Builder, per_dim: &[Vec<f64>], shape: &[i64], dt: DType) -> Value {
+    let mut all = vec![1.0];
+    for v in per_dim {
+        all = all
+            .iter()
+            .flat_map(|a| v.iter().map(move |x| a * x))
+            .collect();
+    }
+    let v = const_vec(b, dt, &all);
+    let dims: Vec<i64> = per_dim.iter().map(|v| v.len() as i64).collect();
+    let v = b.reshape(v, &dims);
+    let (r, n) = (shape.len(), per_dim.len());
+    let bd: Vec<i64> = (r - n..r).map(|d| d as i64).collect();
+    b.broadcast_in_dim(v, shape, &bd)
+}
+
+/// The divisor of each avg pooling output, as a value of `shape` (outputs in the last dims).
 fn avg_divisor(c: &mut Ctx, x: &TensorArg, pl: &Pool, shape: &[i64], dt: DType) -> Value {
-    let r = shape.len();
     if let Some(d) = c.args.opt_int("divisor_override") {
         return c.b.full(dt, shape, d as f64);
     }
     let inc = c.args.bool_or("count_include_pad", true);
-    let ch = avg_counts(x.shape[r - 2], pl.k[0], pl.s[0], pl.p[0], pl.out[0], inc);
-    let cw = avg_counts(x.shape[r - 1], pl.k[1], pl.s[1], pl.p[1], pl.out[1], inc);
-    let all: Vec<f64> = ch
-        .iter()
-        .flat_map(|a| cw.iter().map(move |b| a * b))
+    let (r, n) = (x.shape.len(), pl.k.len());
+    let counts: Vec<Vec<f64>> = (0..n)
+        .map(|i| {
+            let inp = x.shape[r - n + i];
+            avg_counts(inp, pl.k[i], pl.s[i], pl.p[i], pl.out[i], inc)
+        })
         .collect();
-    let v = const_vec(c.b, dt, &all);
-    let v = c.b.reshape(v, &[pl.out[0], pl.out[1]]);
-    c.b.broadcast_in_dim(v, shape, &[r as i64 - 2, r as i64 - 1])
+    outer_const(c.b, &counts, shape, dt)
 }
 
-fn avg_pool2d(c: &mut Ctx) -> LResult<Vec<Out>> {
+/// Whether avg_pool{2,3}d (`grad`: its backward) has a CPU kernel for `d`.
+fn avg_dtype_ok(d: DType, n: usize, grad: bool) -> bool {
+    match (n, grad) {
+        (2, false) => d != DType::Bool,
+        (2, true) => d.is_float(),
+        (_, false) => matches!(d, DType::F32 | DType::F64 | DType::I64),
+        _ => matches!(d, DType::F32 | DType::F64),
+    }
+}
+
+/// avg_pool{2,3}d.
+fn avg_pool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
     let x = tensor(c, "self")?;
-    let pl = pool_args(c, "avg_pool2d", &x, false)?;
-    if x.dtype == DType::Bool {
-        return decline("avg_pool2d: bool input");
+    let name = if n == 2 { "avg_pool2d" } else { "avg_pool3d" };
+    let pl = pool_args(c, name, &x, false, n)?;
+    if !avg_dtype_ok(x.dtype, n, false) {
+        return decline(format!("{name}: {} input", torch_name(x.dtype)));
+    }
+    if numel(&x.shape) == 0 {
+        let want = with_spatial(&x.shape, &pl.out);
+        return Ok(empty_outs(c.b, &[x.dtype], &want));
     }
     // Integers average in int64 with truncating division, as PyTorch's CPU kernel does.
     let cd = if x.dtype.is_float() {
@@ -1621,17 +2040,22 @@ fn avg_pool2d(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(c.b.convert(y, x.dtype))])
 }
 
-fn avg_pool2d_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+/// avg_pool{2,3}d_backward.
+fn avg_pool_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
     let gy = tensor(c, "grad_output")?;
     let x = tensor(c, "self")?;
-    let pl = pool_args(c, "avg_pool2d", &x, false)?;
-    float_input(&x, "avg_pool2d_backward")?;
+    let name = if n == 2 { "avg_pool2d" } else { "avg_pool3d" };
+    let pl = pool_args(c, name, &x, false, n)?;
+    if !avg_dtype_ok(x.dtype, n, true) {
+        return decline(format!("{name}_backward: {} input", torch_name(x.dtype)));
+    }
     let r = x.shape.len();
-    let mut want = x.shape.clone();
-    want[r - 2] = pl.out[0];
-    want[r - 1] = pl.out[1];
+    let want = with_spatial(&x.shape, &pl.out);
     if gy.shape != want {
-        return decline("avg_pool2d_backward: grad_output shape");
+        return decline(format!("{name}_backward: grad_output shape"));
+    }
+    if numel(&x.shape) == 0 {
+        return Ok(empty_outs(c.b, &[x.dtype], &x.shape));
     }
     let cd = opmath(x.dtype);
     let g = c.b.convert(gy.value, cd);
@@ -1644,8 +2068,8 @@ fn avg_pool2d_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let mut hi = vec![0; r];
     let mut interior = vec![0; r];
     let mut win = vec![1; r];
-    for i in 0..2 {
-        let j = r - 2 + i;
+    for i in 0..n {
+        let j = r - n + i;
         lo[j] = pl.k[i] - 1 - pl.p[i];
         hi[j] = x.shape[j] + pl.p[i] - 1 - (pl.out[i] - 1) * pl.s[i];
         interior[j] = pl.s[i] - 1;
@@ -1662,7 +2086,7 @@ fn avg_pool2d_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
         &vec![(0, 0); r],
     );
     if b.shape(gi) != x.shape {
-        return decline("avg_pool2d_backward: window arithmetic mismatch");
+        return decline(format!("{name}_backward: window arithmetic mismatch"));
     }
     Ok(vec![Out::T(b.convert(gi, x.dtype))])
 }
@@ -1694,78 +2118,522 @@ fn transpose_matrix(m: &[Vec<f64>], cols: usize) -> Vec<Vec<f64>> {
         .collect()
 }
 
-fn adaptive_divisor(b: &mut Builder, ch: &[f64], cw: &[f64], shape: &[i64], dt: DType) -> Value {
-    let all: Vec<f64> = ch
-        .iter()
-        .flat_map(|a| cw.iter().map(move |b| a * b))
-        .collect();
-    let v = const_vec(b, dt, &all);
-    let v = b.reshape(v, &[ch.len() as i64, cw.len() as i64]);
-    let r = shape.len() as i64;
-    b.broadcast_in_dim(v, shape, &[r - 2, r - 1])
-}
-
-fn check_adaptive(x: &TensorArg, os: &[i64]) -> LResult<()> {
-    if os.len() != 2 {
+/// Checks an adaptive pooling input and `output_size` (`n` pooled dims) as PyTorch does.
+fn check_adaptive(x: &TensorArg, os: &[i64], n: usize, max: bool) -> LResult<()> {
+    let name = format!("adaptive_{}_pool{n}d", if max { "max" } else { "avg" });
+    if os.len() != n {
         return user_err(
             ErrorKind::Runtime,
-            "adaptive_avg_pool2d: output_size must be 2",
+            if max {
+                format!("{name}(): internal error: output_size.size() must be {n}")
+            } else {
+                format!("{name}: output_size must be {n}")
+            },
         );
     }
     let r = x.shape.len();
-    if r != 3 && r != 4 {
+    if r != n + 1 && r != n + 2 {
         return user_err(
             ErrorKind::Runtime,
             format!(
-                "adaptive_avg_pool2d(): Expected 3D or 4D tensor, but got {}",
+                "{name}(): Expected {}D or {}D tensor, but got{} {}",
+                n + 1,
+                n + 2,
+                if max { ":" } else { "" },
                 shape_str(&x.shape)
             ),
         );
     }
-    if x.shape[r - 3..].contains(&0) || os.iter().any(|v| *v < 0) || numel(&x.shape) == 0 {
-        return decline("adaptive_avg_pool2d: empty input or negative output size");
+    // adaptive_avg_pool2d allows empty leading dims; the others only an empty first dim.
+    let from = if max || n == 3 { 1 } else { r - n };
+    check_nonempty(&name, &x.shape, from)?;
+    if os.iter().any(|v| *v < 0) {
+        return decline(format!("{name}: negative output size"));
     }
-    float_input(x, "adaptive_avg_pool2d")
+    float_input(x, &name)
 }
 
-fn adaptive_avg_pool2d(c: &mut Ctx) -> LResult<Vec<Out>> {
+/// _adaptive_avg_pool{2,3}d.
+fn adaptive_avg_pool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
     let x = tensor(c, "self")?;
     let os = c.args.ints("output_size")?;
-    check_adaptive(&x, &os)?;
+    check_adaptive(&x, &os, n, false)?;
     let r = x.shape.len();
-    let (mh, ch) = adaptive_matrix(x.shape[r - 2], os[0]);
-    let (mw, cw) = adaptive_matrix(x.shape[r - 1], os[1]);
+    let want = with_spatial(&x.shape, &os);
+    if numel(&want) == 0 {
+        return Ok(empty_outs(c.b, &[x.dtype], &want));
+    }
+    let mats: Vec<_> = (0..n)
+        .map(|i| adaptive_matrix(x.shape[r - n + i], os[i]))
+        .collect();
     let cd = opmath(x.dtype);
     let b = &mut *c.b;
-    let xv = b.convert(x.value, cd);
-    let t = mix(b, xv, r - 2, &mh);
-    let t = mix(b, t, r - 1, &mw);
-    let shape = b.shape(t);
-    let div = adaptive_divisor(b, &ch, &cw, &shape, cd);
+    let mut t = b.convert(x.value, cd);
+    for (i, (m, _)) in mats.iter().enumerate() {
+        t = mix(b, t, r - n + i, m);
+    }
+    let counts: Vec<Vec<f64>> = mats.into_iter().map(|(_, c)| c).collect();
+    let div = outer_const(b, &counts, &want, cd);
     let y = b.div(t, div);
     Ok(vec![Out::T(b.convert(y, x.dtype))])
 }
 
-fn adaptive_avg_pool2d_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+/// _adaptive_avg_pool{2,3}d_backward.
+fn adaptive_avg_pool_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
     let gy = tensor(c, "grad_output")?;
     let x = tensor(c, "self")?;
     let r = x.shape.len();
-    if gy.shape.len() != r || r < 2 || gy.shape[..r - 2] != x.shape[..r - 2] {
-        return decline("adaptive_avg_pool2d_backward: grad_output shape");
+    if gy.shape.len() != r || r < n || gy.shape[..r - n] != x.shape[..r - n] {
+        return decline("adaptive_avg_pool_backward: grad_output shape");
     }
-    let os = [gy.shape[r - 2], gy.shape[r - 1]];
-    check_adaptive(&x, &os)?;
-    let (h, w) = (x.shape[r - 2], x.shape[r - 1]);
-    let (mh, ch) = adaptive_matrix(h, os[0]);
-    let (mw, cw) = adaptive_matrix(w, os[1]);
+    let os = gy.shape[r - n..].to_vec();
+    check_adaptive(&x, &os, n, false)?;
+    if numel(&x.shape) == 0 || numel(&os) == 0 {
+        return Ok(empty_outs(c.b, &[x.dtype], &x.shape));
+    }
+    let mats: Vec<_> = (0..n)
+        .map(|i| adaptive_matrix(x.shape[r - n + i], os[i]))
+        .collect();
     let cd = opmath(x.dtype);
     let b = &mut *c.b;
+    let counts: Vec<Vec<f64>> = mats.iter().map(|(_, c)| c.clone()).collect();
+    let div = outer_const(b, &counts, &gy.shape, cd);
     let g = b.convert(gy.value, cd);
-    let div = adaptive_divisor(b, &ch, &cw, &gy.shape, cd);
-    let g = b.div(g, div);
-    let t = mix(b, g, r - 2, &transpose_matrix(&mh, h as usize));
-    let t = mix(b, t, r - 1, &transpose_matrix(&mw, w as usize));
+    let mut t = b.div(g, div);
+    for (i, (m, _)) in mats.iter().enumerate() {
+        let inp = x.shape[r - n + i] as usize;
+        t = mix(b, t, r - n + i, &transpose_matrix(m, inp));
+    }
     Ok(vec![Out::T(b.convert(t, x.dtype))])
+}
+
+/// adaptive_max_pool{2,3}d: one dim at a time, each output the max of its window and the
+/// flat index of that element (ties and NaNs as `argmax_pick`, which composes across dims).
+fn adaptive_max_pool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
+    let x = tensor(c, "self")?;
+    let os = c.args.ints("output_size")?;
+    check_adaptive(&x, &os, n, true)?;
+    let r = x.shape.len();
+    let want = with_spatial(&x.shape, &os);
+    let b = &mut *c.b;
+    if numel(&want) == 0 {
+        return Ok(empty_outs(b, &[x.dtype, DType::I64], &want));
+    }
+    let mut v = x.value;
+    let mut idx = flat_index(b, &x.shape, n);
+    for (i, o) in os.iter().enumerate() {
+        let dim = r - n + i;
+        let wins = adaptive_windows(x.shape[dim], *o);
+        let k = wins.iter().map(|(s, e)| e - s).max().unwrap_or(1);
+        // Shorter windows repeat their last element, which cannot change the pick.
+        let ids: Vec<i64> = wins
+            .iter()
+            .flat_map(|(s, e)| (0..k).map(move |j| (s + j).min(e - 1)))
+            .collect();
+        let vg = take_rows(b, v, dim, &ids, k as usize);
+        let ig = take_rows(b, idx, dim, &ids, k as usize);
+        let vinit = b.constant(x.dtype, ReduceKind::Max.init(x.dtype));
+        let iinit = b.constant_i64(DType::I64, i64::MAX);
+        let res = b.reduce_with(&[vg, ig], &[vinit, iinit], &[dim as i64 + 1], argmax_pick);
+        (v, idx) = (res[0], res[1]);
+    }
+    Ok(vec![Out::T(v), Out::T(idx)])
+}
+
+/// adaptive_max_pool{2,3}d_backward.
+fn adaptive_max_pool_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
+    let gy = tensor(c, "grad_output")?;
+    let x = tensor(c, "self")?;
+    let ind = tensor(c, "indices")?;
+    let r = x.shape.len();
+    if gy.shape.len() != r
+        || r < n
+        || ind.shape != gy.shape
+        || ind.dtype != DType::I64
+        || gy.shape[..r - n] != x.shape[..r - n]
+    {
+        return decline("adaptive_max_pool_backward: grad_output/indices");
+    }
+    check_adaptive(&x, &gy.shape[r - n..], n, true)?;
+    if numel(&x.shape) == 0 || numel(&gy.shape) == 0 {
+        return Ok(empty_outs(c.b, &[x.dtype], &x.shape));
+    }
+    Ok(vec![Out::T(index_grad(c.b, &gy, &ind, &x, n))])
+}
+
+/// max_unpool{2,3}d: `self` written at the flat `indices` of a zero output; where indices
+/// repeat, the last element wins, as in PyTorch's loop. Indices outside the output are
+/// dropped (PyTorch raises, which needs the data).
+fn max_unpool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
+    let x = tensor(c, "self")?;
+    let ind = tensor(c, "indices")?;
+    let os = c.args.ints("output_size")?;
+    let err = |m: String| user_err::<Vec<Out>>(ErrorKind::Runtime, m);
+    if ind.dtype != DType::I64 {
+        return err(format!(
+            "elements in indices should be type int64 but got: {}",
+            torch_name(ind.dtype)
+        ));
+    }
+    let r = x.shape.len();
+    let rank_msg = format!(
+        "Input to max_unpooling{n}d should be a {}d or {}d Tensor, but got a tensor with {r} dimensions.",
+        n + 1,
+        n + 2
+    );
+    if n == 2 {
+        if os.len() != 2 {
+            return err(format!("There should be exactly two elements (height, width) in output_size, but got {} elements.", os.len()));
+        }
+        if r != 3 && r != 4 {
+            return err(rank_msg);
+        }
+    } else {
+        if r != 4 && r != 5 {
+            return err(rank_msg);
+        }
+        if os.len() != 3 {
+            return err(format!("There should be exactly three elements (depth, height, width) in output_size, but got {} elements.", os.len()));
+        }
+        for what in ["stride", "padding"] {
+            let l = c.args.ints(what)?.len();
+            if l != 3 {
+                return err(format!("There should be exactly three elements (depth, height, width) in {what}, but got: {l} elements."));
+            }
+        }
+    }
+    if x.shape != ind.shape {
+        return err(format!(
+            "Expected shape of indices to be same as that of the input tensor ({}) but got indices tensor with shape: {}",
+            shape_str(&x.shape),
+            shape_str(&ind.shape)
+        ));
+    }
+    check_nonempty(&format!("max_unpooling{n}d_forward_out_cpu"), &x.shape, 1)?;
+    if n == 3 {
+        let st = c.args.ints("stride")?;
+        if st.iter().any(|v| *v <= 0) {
+            return err(format!(
+                "strides should be greater than zero, but got stride: {}",
+                shape_str(&st)
+            ));
+        }
+    }
+    if os.iter().any(|v| *v < 0) {
+        if n == 2 {
+            return err(format!("max_unpooling2d(): output_size must contain non-negative spatial dimensions, but got output_size={}", shape_str(&os)));
+        }
+        return decline("max_unpool3d: negative output size");
+    }
+    float_input(&x, "max_unpool")?;
+    let lead = &x.shape[..r - n];
+    let want: Vec<i64> = lead.iter().chain(&os).copied().collect();
+    if numel(&want) == 0 || numel(&x.shape) == 0 {
+        return Ok(empty_outs(c.b, &[x.dtype], &want));
+    }
+    let planes = numel(lead);
+    let (l, vol) = (numel(&x.shape[r - n..]), numel(&os));
+    let m = planes * l;
+    let b = &mut *c.b;
+    // The position of the winning input element per output slot (-1: none), then its value.
+    let pos = b.iota(DType::I64, &[planes, l], 1);
+    let pos = b.reshape(pos, &[m]);
+    let plane = b.iota(DType::I64, &[planes, l], 0);
+    let plane = b.reshape(plane, &[m, 1]);
+    let idx = b.reshape(ind.value, &[m, 1]);
+    let both = b.concatenate(&[plane, idx], 1);
+    let none = b.full(DType::I64, &[planes, vol], -1.0);
+    let win = b.scatter(none, both, pos, &[], &[0, 1], &[0, 1], 1, |b, a, u| {
+        b.max(a, u)
+    });
+    let zero_i = b.splat(win, 0.0);
+    let hit = b.compare(win, zero_i, CmpDir::Ge);
+    let safe = b.max(win, zero_i);
+    let base = b.iota(DType::I64, &[planes, vol], 0);
+    let lk = b.splat(base, l as f64);
+    let base = b.mul(base, lk);
+    let flat = b.add(base, safe);
+    let flat = b.reshape(flat, &[planes * vol, 1]);
+    let xf = b.reshape(x.value, &[m]);
+    let got = b.gather(xf, flat, &[], &[0], &[0], 1, &[1]);
+    let got = b.reshape(got, &[planes, vol]);
+    let zero = b.full(x.dtype, &[planes, vol], 0.0);
+    let y = b.select(hit, got, zero);
+    Ok(vec![Out::T(b.reshape(y, &want))])
+}
+
+// ---------------------------------------------------------------------------------------
+// Sliding windows: im2col, col2im, unfold_backward
+// ---------------------------------------------------------------------------------------
+
+/// The positions `o * stride + j * dil` of `out` windows of `k` taps, window-major.
+fn window_taps(out: i64, k: i64, stride: i64, dil: i64) -> Vec<i64> {
+    (0..out)
+        .flat_map(|o| (0..k).map(move |j| o * stride + j * dil))
+        .collect()
+}
+
+/// im2col / col2im parameters: [kernel, dilation, padding, stride], two each.
+fn window_args(c: &Ctx, extra: &[&str]) -> LResult<Vec<[i64; 2]>> {
+    let mut out = Vec::new();
+    for name in extra
+        .iter()
+        .chain(&["kernel_size", "dilation", "padding", "stride"])
+    {
+        let v = c.args.ints(name)?;
+        if v.len() != 2 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "It is expected {name} equals to 2, but got size {}",
+                    v.len()
+                ),
+            );
+        }
+        out.push([v[0], v[1]]);
+    }
+    Ok(out)
+}
+
+/// PyTorch's checks of im2col/col2im's kernel, dilation, padding and stride (in `order`).
+fn check_window(
+    k: [i64; 2],
+    d: [i64; 2],
+    p: [i64; 2],
+    s: [i64; 2],
+    order: &[usize],
+) -> LResult<()> {
+    for i in order {
+        let (ok, what, v, word) = match i {
+            0 => (
+                k[0] > 0 && k[1] > 0,
+                "kernel",
+                k,
+                "kernel size should be greater than zero",
+            ),
+            1 => (
+                d[0] > 0 && d[1] > 0,
+                "dilation",
+                d,
+                "dilation should be greater than zero",
+            ),
+            2 => (
+                p[0] >= 0 && p[1] >= 0,
+                "pad",
+                p,
+                "padding should be non-negative",
+            ),
+            _ => (
+                s[0] > 0 && s[1] > 0,
+                "stride",
+                s,
+                "stride should be greater than zero",
+            ),
+        };
+        if !ok {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "{word}, but got {what}_height: {} {what}_width: {}",
+                    v[0], v[1]
+                ),
+            );
+        }
+    }
+    Ok(())
+}
+
+/// im2col (nn.functional.unfold): [N, C, H, W] -> [N, C * kh * kw, L], two gathers of the
+/// zero-padded input.
+fn im2col(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let x = tensor(c, "self")?;
+    let a = window_args(c, &[])?;
+    let (k, d, p, s) = (a[0], a[1], a[2], a[3]);
+    check_window(k, d, p, s, &[0, 1, 2, 3])?;
+    let r = x.shape.len();
+    if r != 3 && r != 4 {
+        return decline("im2col: input rank");
+    }
+    if x.shape[r - 3..].contains(&0) {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Expected 3D or 4D (batch mode) tensor with possibly 0 batch size and other non-zero dimensions for input, but got: {}",
+                shape_str(&x.shape)
+            ),
+        );
+    }
+    let (h, w) = (x.shape[r - 2], x.shape[r - 1]);
+    let o: Vec<i64> = (0..2)
+        .map(|i| (x.shape[r - 2 + i] + 2 * p[i] - (d[i] * (k[i] - 1) + 1)) / s[i] + 1)
+        .collect();
+    if o[0] < 1 || o[1] < 1 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Given input with spatial size ({h}, {w}), kernel_size=({}, {}), dilation=({}, {}), padding=({}, {}), calculated shape of the array of sliding blocks as ({}, {}), but its components must be at least one.",
+                k[0], k[1], d[0], d[1], p[0], p[1], o[0], o[1]
+            ),
+        );
+    }
+    if !x.dtype.is_float() && x.dtype != DType::Bool {
+        return decline(format!("im2col: {} input", torch_name(x.dtype)));
+    }
+    let lead = &x.shape[..r - 3];
+    let ch = x.shape[r - 3];
+    let mut want: Vec<i64> = lead.to_vec();
+    want.extend([ch * k[0] * k[1], o[0] * o[1]]);
+    let b = &mut *c.b;
+    if numel(&x.shape) == 0 {
+        return Ok(empty_outs(b, &[x.dtype], &want));
+    }
+    let zero = b.constant(x.dtype, 0.0);
+    let mut lo = vec![0; r];
+    lo[r - 2] = p[0];
+    lo[r - 1] = p[1];
+    let t = b.pad(x.value, zero, &lo, &lo, &vec![0; r]);
+    // [.., C, Hp, Wp] -> [.., C, oh, kh, Wp] -> [.., C, oh, kh, ow, kw]
+    let t = take_rows(
+        b,
+        t,
+        r - 2,
+        &window_taps(o[0], k[0], s[0], d[0]),
+        k[0] as usize,
+    );
+    let t = take_rows(b, t, r, &window_taps(o[1], k[1], s[1], d[1]), k[1] as usize);
+    let l = lead.len() as i64;
+    let mut perm: Vec<i64> = (0..l).collect();
+    perm.extend([l, l + 2, l + 4, l + 1, l + 3]);
+    let t = b.transpose(t, &perm);
+    Ok(vec![Out::T(b.reshape(t, &want))])
+}
+
+/// col2im (nn.functional.fold): the adjoint of im2col, summing overlapping windows.
+fn col2im(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let x = tensor(c, "self")?;
+    let a = window_args(c, &["output_size"])?;
+    let (os, k, d, p, s) = (a[0], a[1], a[2], a[3], a[4]);
+    check_window(k, d, p, s, &[0, 3, 1, 2])?;
+    let r = x.shape.len();
+    let ok = (r == 2 && x.shape[0] != 0 && x.shape[1] != 0)
+        || (r == 3 && x.shape[1] != 0 && x.shape[2] != 0);
+    if !ok {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Expected 2D or 3D (batch mode) tensor for input with possibly 0 batch size and non-zero dimensions for input, but got: {}",
+                shape_str(&x.shape)
+            ),
+        );
+    }
+    let cd = r - 2;
+    let kk = k[0] * k[1];
+    if x.shape[cd] % kk != 0 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Expected size of input's dimension {cd} to be divisible by the product of kernel_size, but got input.size({cd})={} and kernel_size=({}, {}).",
+                x.shape[cd], k[0], k[1]
+            ),
+        );
+    }
+    let o: Vec<i64> = (0..2)
+        .map(|i| div_floor(os[i] + 2 * p[i] - d[i] * (k[i] - 1) - 1, s[i]) + 1)
+        .collect();
+    let prefix = format!(
+        "Given output_size=({}, {}), kernel_size=({}, {}), dilation=({}, {}), padding=({}, {}), stride=({}, {})",
+        os[0], os[1], k[0], k[1], d[0], d[1], p[0], p[1], s[0], s[1]
+    );
+    if x.shape[cd + 1] != o[0] * o[1] {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{prefix}, expected size of input's dimension {} to match the calculated number of sliding blocks {} * {} = {}, but got input.size({})={}.",
+                cd + 1, o[0], o[1], o[0] * o[1], cd + 1, x.shape[cd + 1]
+            ),
+        );
+    }
+    if o[0] < 1 || o[1] < 1 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{prefix}, calculated shape of the array of sliding blocks as ({}, {}), which is too small (non-positive)",
+                o[0], o[1]
+            ),
+        );
+    }
+    if !x.dtype.is_float() {
+        return decline(format!("col2im: {} input", torch_name(x.dtype)));
+    }
+    let lead = &x.shape[..cd];
+    let ch = x.shape[cd] / kk;
+    let mut want: Vec<i64> = lead.to_vec();
+    want.extend([ch, os[0], os[1]]);
+    let b = &mut *c.b;
+    if numel(&x.shape) == 0 {
+        return Ok(empty_outs(b, &[x.dtype], &want));
+    }
+    let dt = opmath(x.dtype);
+    let t = b.convert(x.value, dt);
+    let mut split: Vec<i64> = lead.to_vec();
+    split.extend([ch, k[0], k[1], o[0], o[1]]);
+    let t = b.reshape(t, &split);
+    // [.., C, kh, kw, oh, ow] -> [.., C, oh, kh, ow, kw] -> [.., C, Hp, ow, kw] -> [.., C, Hp, Wp]
+    let l = cd as i64;
+    let mut perm: Vec<i64> = (0..l).collect();
+    perm.extend([l, l + 3, l + 1, l + 4, l + 2]);
+    let t = b.transpose(t, &perm);
+    let (hp, wp) = (os[0] + 2 * p[0], os[1] + 2 * p[1]);
+    let t = put_rows(b, t, cd + 1, &window_taps(o[0], k[0], s[0], d[0]), hp);
+    let t = put_rows(b, t, cd + 2, &window_taps(o[1], k[1], s[1], d[1]), wp);
+    let t = b.slice_dim(t, cd + 1, p[0], p[0] + os[0], 1);
+    let t = b.slice_dim(t, cd + 2, p[1], p[1] + os[1], 1);
+    Ok(vec![Out::T(b.convert(t, x.dtype))])
+}
+
+/// unfold_backward: the gradient of Tensor.unfold, windows summed back onto `dim`.
+fn unfold_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let g = tensor(c, "grad_in")?;
+    let sizes = c.args.ints("input_sizes")?;
+    let (size, step) = (c.args.int("size")?, c.args.int("step")?);
+    let r = sizes.len();
+    if g.dtype == DType::Bool || step <= 0 || size < 0 {
+        return decline("unfold_backward: bool or bad window");
+    }
+    if r == 0 {
+        // A 0-d input unfolds to [size], size at most 1.
+        if g.shape != [size] || size > 1 {
+            return decline("unfold_backward: 0-d input");
+        }
+        let dt = opmath(g.dtype);
+        let t = c.b.convert(g.value, dt);
+        let t = c.b.reduce(t, &[0], ReduceKind::Sum);
+        return Ok(vec![Out::T(c.b.convert(t, g.dtype))]);
+    }
+    let d = crate::shape::wrap_dim(c.args.int("dim")?, r)?;
+    let n = sizes[d];
+    if size > n {
+        return decline("unfold_backward: window longer than the dim");
+    }
+    let nw = (n - size) / step + 1;
+    let mut want = sizes.clone();
+    want[d] = nw;
+    want.push(size);
+    if g.shape != want {
+        return decline("unfold_backward: grad_in shape");
+    }
+    let b = &mut *c.b;
+    if numel(&want) == 0 {
+        return Ok(empty_outs(b, &[g.dtype], &sizes));
+    }
+    let dt = opmath(g.dtype);
+    let t = b.convert(g.value, dt);
+    // Bring the window axis next to `dim`: [.., nw, size, ..].
+    let mut perm: Vec<i64> = (0..r as i64).collect();
+    perm.insert(d + 1, r as i64);
+    let t = b.transpose(t, &perm);
+    let t = put_rows(b, t, d, &window_taps(nw, size, step, 1), n);
+    Ok(vec![Out::T(b.convert(t, g.dtype))])
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1847,33 +2715,49 @@ fn edge_pads(c: &Ctx, x_shape: &[i64], k: usize) -> LResult<Vec<(usize, i64, i64
         .collect())
 }
 
+/// The runs of a replication pad of `n` elements by (l, r) (negative crops): output j
+/// copies x[clamp(j - l, 0, n - 1)], i.e. `left` copies of x[0], x[lo..hi], `right` copies
+/// of x[n - 1].
+fn replicate_runs(n: i64, l: i64, r: i64) -> (i64, i64, i64, i64) {
+    let out = n + l + r;
+    let left = l.clamp(0, out);
+    let lo = (-l).clamp(0, n);
+    let hi = (out - l).min(n).max(lo);
+    (left, lo, hi, out - left - (hi - lo))
+}
+
 /// Pads `x` along `dim` by (l, r) (negative crops) with reflected or replicated edges.
 fn edge_pad_dim(b: &mut Builder, x: Value, dim: usize, l: i64, r: i64, reflect: bool) -> Value {
     let n = b.shape(x)[dim];
-    let (nl, nr) = (l.max(0), r.max(0));
-    let mut parts = Vec::new();
     let edge = |b: &mut Builder, at: i64, count: i64| {
         let e = b.slice_dim(x, dim, at, at + 1, 1);
         let mut shape = b.shape(e);
         shape[dim] = count;
         b.broadcast_to(e, &shape)
     };
+    let mut parts = Vec::new();
+    if !reflect {
+        let (left, lo, hi, right) = replicate_runs(n, l, r);
+        if left > 0 {
+            parts.push(edge(b, 0, left));
+        }
+        if hi > lo {
+            parts.push(b.slice_dim(x, dim, lo, hi, 1));
+        }
+        if right > 0 {
+            parts.push(edge(b, n - 1, right));
+        }
+        return b.concatenate(&parts, dim);
+    }
+    let (nl, nr) = (l.max(0), r.max(0));
     if nl > 0 {
-        parts.push(if reflect {
-            let s = b.slice_dim(x, dim, 1, nl + 1, 1);
-            b.reverse(s, &[dim as i64])
-        } else {
-            edge(b, 0, nl)
-        });
+        let s = b.slice_dim(x, dim, 1, nl + 1, 1);
+        parts.push(b.reverse(s, &[dim as i64]));
     }
     parts.push(b.slice_dim(x, dim, (-l).max(0), n - (-r).max(0), 1));
     if nr > 0 {
-        parts.push(if reflect {
-            let s = b.slice_dim(x, dim, n - 1 - nr, n - 1, 1);
-            b.reverse(s, &[dim as i64])
-        } else {
-            edge(b, n - 1, nr)
-        });
+        let s = b.slice_dim(x, dim, n - 1 - nr, n - 1, 1);
+        parts.push(b.reverse(s, &[dim as i64]));
     }
     b.concatenate(&parts, dim)
 }
@@ -1888,12 +2772,9 @@ fn edge_pad_dim_backward(
     r: i64,
     reflect: bool,
 ) -> Value {
-    let gs = b.shape(g);
-    let rank = gs.len();
-    let (nl, nr) = (l.max(0), r.max(0));
-    let mid_start = (-l).max(0);
-    let mid_len = n - mid_start - (-r).max(0);
+    let rank = b.rank(g);
     let zero = b.constant(b.dtype(g), 0.0);
+    // `v` (a run along `dim`) placed at `at` in `n` zeros.
     let place = |b: &mut Builder, v: Value, at: i64| {
         let len = b.shape(v)[dim];
         let mut lo = vec![0; rank];
@@ -1902,34 +2783,61 @@ fn edge_pad_dim_backward(
         hi[dim] = n - at - len;
         b.pad(v, zero, &lo, &hi, &vec![0; rank])
     };
-    let mid = b.slice_dim(g, dim, nl, nl + mid_len, 1);
-    let mut acc = place(b, mid, mid_start);
-    for (count, start, at_reflect, at_edge) in
-        [(nl, 0, 1, 0), (nr, nl + mid_len, n - 1 - nr, n - 1)]
-    {
-        if count == 0 {
+    // (output start, length, input position, reversed/summed) of each run.
+    let mut runs = Vec::new();
+    if reflect {
+        let (nl, nr) = (l.max(0), r.max(0));
+        let mid_start = (-l).max(0);
+        let mid_len = n - mid_start - (-r).max(0);
+        runs.push((nl, mid_len, mid_start, false));
+        runs.push((0, nl, 1, true));
+        runs.push((nl + mid_len, nr, n - 1 - nr, true));
+    } else {
+        let (left, lo, hi, right) = replicate_runs(n, l, r);
+        runs.push((left, hi - lo, lo, false));
+        runs.push((0, left, 0, true));
+        runs.push((left + hi - lo, right, n - 1, true));
+    }
+    let mut acc: Option<Value> = None;
+    for (start, len, at, fold) in runs {
+        if len <= 0 {
             continue;
         }
-        let part = b.slice_dim(g, dim, start, start + count, 1);
-        let v = if reflect {
-            let rv = b.reverse(part, &[dim as i64]);
-            place(b, rv, at_reflect)
-        } else {
-            let sm = super::reduce::sum_keep(b, part, &[dim as i64]);
-            place(b, sm, at_edge)
+        let part = b.slice_dim(g, dim, start, start + len, 1);
+        let part = match (fold, reflect) {
+            (false, _) => part,
+            (true, true) => b.reverse(part, &[dim as i64]),
+            (true, false) => super::reduce::sum_keep(b, part, &[dim as i64]),
         };
-        acc = b.add(acc, v);
+        let v = place(b, part, at);
+        acc = Some(match acc {
+            Some(a) => b.add(a, v),
+            None => v,
+        });
     }
-    acc
+    acc.unwrap_or_else(|| {
+        let mut shape = b.shape(g);
+        shape[dim] = n;
+        b.full(b.dtype(g), &shape, 0.0)
+    })
+}
+
+/// Whether `edge_pad_dim` handles padding `n` elements by (l, r); the CPU fallback reports
+/// the others.
+fn edge_pad_ok(n: i64, l: i64, r: i64, reflect: bool) -> bool {
+    let fits = if reflect {
+        l < n && r < n && -l < n && -r < n
+    } else {
+        true
+    };
+    fits && n + l + r >= 1
 }
 
 fn edge_pad(c: &mut Ctx, k: usize, reflect: bool) -> LResult<Vec<Out>> {
     let x = tensor(c, "self")?;
     let pads = edge_pads(c, &x.shape, k)?;
     for (d, l, r) in &pads {
-        let n = x.shape[*d];
-        let bad = if reflect { *l >= n || *r >= n } else { false };
-        if bad || n + l + r < 1 || -l >= n || -r >= n {
+        if !edge_pad_ok(x.shape[*d], *l, *r, reflect) {
             return decline("edge pad: padding too large for the input");
         }
     }
@@ -1941,7 +2849,7 @@ fn edge_pad(c: &mut Ctx, k: usize, reflect: bool) -> LResult<Vec<Out>> {
         for (d, l, r) in &pads {
             shape[*d] += l + r;
         }
-        return Ok(vec![Out::T(c.b.full(x.dtype, &shape, 0.0))]);
+        return Ok(empty_outs(c.b, &[x.dtype], &shape));
     }
     let mut v = x.value;
     for (d, l, r) in pads {
@@ -1958,14 +2866,16 @@ fn edge_pad_backward(c: &mut Ctx, k: usize, reflect: bool) -> LResult<Vec<Out>> 
     let mut want = x.shape.clone();
     for (d, l, r) in &pads {
         let n = x.shape[*d];
-        let bad = if reflect { *l >= n || *r >= n } else { false };
-        if bad || n + l + r < 1 || -l >= n || -r >= n {
+        if !edge_pad_ok(n, *l, *r, reflect) {
             return decline("edge pad backward: padding too large for the input");
         }
         want[*d] = n + l + r;
     }
-    if g.shape != want || x.shape.contains(&0) {
+    if g.shape != want {
         return decline("edge pad backward: grad_output shape");
+    }
+    if x.shape.contains(&0) {
+        return Ok(empty_outs(c.b, &[g.dtype], &x.shape));
     }
     let cd = opmath(g.dtype);
     let mut v = c.b.convert(g.value, cd);
@@ -2284,6 +3194,32 @@ fn mish_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
 // Upsampling
 // ---------------------------------------------------------------------------------------
 
+/// The interpolation of an upsample op.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Interp {
+    Nearest,
+    NearestExact,
+    Linear,
+    Cubic,
+    LinearAa,
+    CubicAa,
+}
+
+/// `v` rounded to the nearest value of `d` (f16/bf16; others unchanged), ties to even.
+fn round_to(v: f64, d: DType) -> f64 {
+    let (mant, min_exp) = match d {
+        DType::BF16 => (7, -126),
+        DType::F16 => (10, -14),
+        _ => return v,
+    };
+    if v == 0.0 || !v.is_finite() {
+        return v;
+    }
+    let e = (v.abs().log2().floor() as i32).max(min_exp);
+    let ulp = 2f64.powi(e - mant);
+    (v / ulp).round_ties_even() * ulp
+}
+
 /// PyTorch's scale of an upsampling dim: 1 / the given scale factor, or in / out (in f32).
 fn up_scale(inp: i64, out: i64, scale: Option<f64>) -> f32 {
     match scale {
@@ -2292,153 +3228,828 @@ fn up_scale(inp: i64, out: i64, scale: Option<f64>) -> f32 {
     }
 }
 
-/// The [out][in] selection matrix of nearest upsampling.
-fn nearest_matrix(inp: i64, out: i64, scale: Option<f64>) -> Vec<Vec<f64>> {
-    let sc = up_scale(inp, out, scale);
-    (0..out)
-        .map(|o| {
-            let src = if out == inp {
-                o
-            } else if out == 2 * inp {
-                o >> 1
-            } else {
-                ((o as f32 * sc).floor() as i64).min(inp - 1)
-            };
-            (0..inp).map(|i| if i == src { 1.0 } else { 0.0 }).collect()
-        })
-        .collect()
-}
-
-/// The [out][in] interpolation matrix of linear upsampling, with PyTorch's source index.
-fn linear_matrix(inp: i64, out: i64, align_corners: bool, scale: Option<f64>) -> Vec<Vec<f64>> {
-    let sc: f32 = if align_corners {
-        if out > 1 {
-            (inp - 1) as f32 / (out - 1) as f32
-        } else {
-            0.0
-        }
+/// Keys' cubic convolution kernel (parameter `a`) at `0 <= x < 2`, each operation rounded
+/// by `q`.
+fn keys(x: f64, a: f64, q: &dyn Fn(f64) -> f64) -> f64 {
+    if x < 1.0 {
+        q(q(q(q(q((a + 2.0) * x) - (a + 3.0)) * x) * x) + 1.0)
     } else {
-        up_scale(inp, out, scale)
-    };
-    (0..out)
-        .map(|o| {
-            let real = if align_corners {
-                sc * o as f32
-            } else {
-                (sc * (o as f32 + 0.5) - 0.5).max(0.0)
-            };
-            let i0 = (real.floor() as i64).min(inp - 1);
-            let l1 = (real - i0 as f32).clamp(0.0, 1.0);
-            let i1 = i0 + if i0 < inp - 1 { 1 } else { 0 };
-            let mut row = vec![0.0; inp as usize];
-            row[i0 as usize] += (1.0 - l1) as f64;
-            row[i1 as usize] += l1 as f64;
-            row
-        })
-        .collect()
+        q(q(q(q(q(q(a * x) - 5.0 * a) * x) + 8.0 * a) * x) - 4.0 * a)
+    }
 }
 
-/// (output size, scale h, scale w) of an upsample call, from either overload.
-fn up_args(c: &Ctx, x: &TensorArg) -> LResult<([i64; 2], [Option<f64>; 2])> {
-    let r = x.shape.len();
-    if r != 4 || x.shape[2..].contains(&0) {
-        return decline("upsample2d: input is not 4-d or is empty");
+/// The weights of the 4 bicubic taps around a point `t` past the second.
+fn cubic_coeffs(t: f64, a: f64, q: &dyn Fn(f64) -> f64) -> [f64; 4] {
+    let u = q(1.0 - t);
+    [
+        keys(q(t + 1.0), a, q),
+        keys(t, a, q),
+        keys(u, a, q),
+        keys(q(u + 1.0), a, q),
+    ]
+}
+
+/// The anti-aliasing filter of `kind` at distance `x`: triangle or PIL's bicubic (a = -0.5).
+fn aa_filter(kind: Interp, x: f64, q: &dyn Fn(f64) -> f64) -> f64 {
+    let x = x.abs();
+    match kind {
+        Interp::LinearAa if x < 1.0 => q(1.0 - x),
+        Interp::CubicAa if x < 2.0 => keys(x, -0.5, q),
+        _ => 0.0,
     }
-    let os = c.args.opt_ints("output_size");
+}
+
+/// The [out][in] weights of one upsampled dim as PyTorch's CPU kernels compute them: in
+/// f32 unless `wd` (the dtype weights are stored in) is f64, weights rounded to `wd`.
+/// `shortcut`: the kernel's copy shortcut applies (nearest: sizes equal or doubled;
+/// anti-aliased: sizes equal; linear always copies equal sizes).
+fn interp_matrix(
+    kind: Interp,
+    inp: i64,
+    out: i64,
+    align: bool,
+    scale: Option<f64>,
+    shortcut: bool,
+    wd: DType,
+) -> Vec<Vec<f64>> {
+    let wide = wd == DType::F64;
+    // Rounds an intermediate to the kernel's opmath type.
+    let q = |v: f64| if wide { v } else { v as f32 as f64 };
+    let store = |v: f64| round_to(q(v), wd);
+    // area_pixel_compute_scale and area_pixel_compute_source_index.
+    let sc = match (align, out > 1) {
+        (true, true) => q((inp - 1) as f64 / (out - 1) as f64),
+        (true, false) => 0.0,
+        _ => match scale {
+            Some(s) if s > 0.0 => q(1.0 / s),
+            _ => q(inp as f64 / out as f64),
+        },
+    };
+    let source = |o: i64, cubic: bool| {
+        if align {
+            return q(sc * o as f64);
+        }
+        let s = q(sc * (o as f64 + 0.5) - 0.5);
+        if !cubic && s < 0.0 {
+            0.0
+        } else {
+            s
+        }
+    };
+    let copy = match kind {
+        Interp::Linear => true,
+        Interp::Nearest | Interp::LinearAa | Interp::CubicAa => shortcut,
+        _ => false,
+    };
+    let last = inp - 1;
+    let mut m = vec![vec![0.0; inp as usize]; out as usize];
+    for o in 0..out {
+        let row = &mut m[o as usize];
+        if copy && out == inp {
+            row[o as usize] = 1.0;
+            continue;
+        }
+        match kind {
+            Interp::Nearest | Interp::NearestExact => {
+                // Nearest kernels use an f32 scale whatever the dtype.
+                let sc = up_scale(inp, out, scale);
+                let src = if kind == Interp::NearestExact {
+                    (((o as f64 + 0.5) * sc as f64) as f32).floor() as i64
+                } else if shortcut && out == 2 * inp {
+                    o >> 1
+                } else {
+                    (o as f32 * sc).floor() as i64
+                };
+                row[src.min(last) as usize] = 1.0;
+            }
+            Interp::Linear => {
+                let real = source(o, false);
+                let i0 = (real.floor() as i64).min(last);
+                let l1 = store(q(real - i0 as f64).clamp(0.0, 1.0));
+                let i1 = i0 + i64::from(i0 < last);
+                row[i0 as usize] += store(1.0 - l1);
+                row[i1 as usize] += l1;
+            }
+            Interp::Cubic => {
+                let real = source(o, true);
+                let i0 = (real.floor() as i64).min(last);
+                let t = q(real - i0 as f64).clamp(0.0, 1.0);
+                for (j, w) in cubic_coeffs(t, -0.75, &q).iter().enumerate() {
+                    row[(i0 - 1 + j as i64).clamp(0, last) as usize] += store(*w);
+                }
+            }
+            Interp::LinearAa | Interp::CubicAa => {
+                let taps = if kind == Interp::LinearAa { 1.0 } else { 2.0 };
+                let (support, inv) = if sc >= 1.0 {
+                    (q(taps * sc), q(1.0 / sc))
+                } else {
+                    (taps, 1.0)
+                };
+                let center = q(sc * (o as f64 + 0.5));
+                let lo = (q(center - support) + 0.5).max(0.0) as i64;
+                let hi = ((q(center + support) + 0.5) as i64).min(inp);
+                let ws: Vec<f64> = (lo..hi)
+                    .map(|i| aa_filter(kind, q((q(i as f64 - center) + 0.5) * inv), &q))
+                    .collect();
+                let total = ws.iter().fold(0.0, |acc, w| q(acc + w));
+                for (i, w) in (lo..hi).zip(ws) {
+                    row[i as usize] = if total != 0.0 { store(w / total) } else { w };
+                }
+            }
+        }
+    }
+    m
+}
+
+/// The scale argument names of an upsample op over `n` dims.
+fn scale_names(n: usize) -> &'static [&'static str] {
+    match n {
+        1 => &["scales"],
+        2 => &["scales_h", "scales_w"],
+        _ => &["scales_d", "scales_h", "scales_w"],
+    }
+}
+
+/// (output size, scales) of an upsample call with `n` spatial dims, from either
+/// overload, with PyTorch's checks.
+#[allow(clippy::type_complexity)]
+fn up_args(c: &Ctx, x: &TensorArg, n: usize) -> LResult<(Vec<i64>, Vec<Option<f64>>)> {
+    let r = x.shape.len();
     let sf = match c.args.get("scale_factors") {
         Some(crate::Arg::List(_)) => Some(c.args.floats("scale_factors")?),
         _ => None,
     };
-    match (os, sf) {
-        (Some(os), _) if os.len() == 2 => {
-            let s = match c.args.get("scale_factors") {
-                Some(crate::Arg::List(_)) => {
-                    return decline("upsample2d: both output_size and scale_factors");
-                }
-                _ => [c.args.opt_float("scales_h"), c.args.opt_float("scales_w")],
-            };
-            Ok(([os[0], os[1]], s))
+    let (os, sc) = match (c.args.opt_ints("output_size"), sf) {
+        (Some(os), None) => {
+            let sc = scale_names(n).iter().map(|s| c.args.opt_float(s));
+            (os, sc.collect())
         }
-        (None, Some(sf)) if sf.len() == 2 => {
-            let o = [
-                (x.shape[2] as f64 * sf[0]) as i64,
-                (x.shape[3] as f64 * sf[1]) as i64,
-            ];
-            Ok((o, [Some(sf[0]), Some(sf[1])]))
+        (None, Some(sf)) if sf.len() == n && r == n + 2 => {
+            let os = (0..n).map(|i| (x.shape[2 + i] as f64 * sf[i]) as i64);
+            (os.collect(), sf.iter().map(|s| Some(*s)).collect())
         }
-        _ => decline("upsample2d: unsupported size arguments"),
+        _ => return decline("upsample: unsupported size arguments"),
+    };
+    let err = |m: String| user_err(ErrorKind::Runtime, m);
+    if os.len() != n {
+        return err(format!(
+            "It is expected output_size equals to {n}, but got size {}",
+            os.len()
+        ));
+    }
+    if r != n + 2 {
+        return err(format!(
+            "It is expected input_size equals to {}, but got size {r}",
+            n + 2
+        ));
+    }
+    let sp = &x.shape[2..];
+    if sp.iter().chain(&os).any(|v| *v <= 0) {
+        let names = &["D", "H", "W"][3 - n..];
+        let list = |v: &[i64]| {
+            let items: Vec<String> = names
+                .iter()
+                .zip(v)
+                .map(|(l, x)| format!("{l}: {x}"))
+                .collect();
+            items.join(", ")
+        };
+        let and = if n == 1 { " and" } else { "" };
+        return err(format!(
+            "Input and output sizes should be greater than 0, but got input ({}){and} output ({})",
+            list(sp),
+            list(&os)
+        ));
+    }
+    if numel(&x.shape[1..]) == 0 {
+        return err(format!(
+            "Non-empty {}D data tensor expected but got a tensor with sizes {}",
+            n + 2,
+            shape_str(&x.shape)
+        ));
+    }
+    Ok((os, sc))
+}
+
+/// Whether PyTorch's CPU upsampling of `kind` handles `d`.
+fn up_dtype_ok(kind: Interp, d: DType, grad: bool) -> bool {
+    match kind {
+        Interp::Nearest | Interp::NearestExact if !grad => d.is_float() || d == DType::U8,
+        Interp::LinearAa | Interp::CubicAa => matches!(d, DType::F32 | DType::F64),
+        _ => d.is_float(),
     }
 }
 
-fn upsample2d(c: &mut Ctx, bilinear: bool) -> LResult<Vec<Out>> {
+/// upsample_{nearest,linear,bicubic,...}{1,2,3}d: one interpolation matrix per spatial dim.
+fn upsample(c: &mut Ctx, n: usize, kind: Interp) -> LResult<Vec<Out>> {
     let x = c
         .args
         .opt_tensor("self")
         .or_else(|| c.args.opt_tensor("input"))
         .cloned();
     let Some(x) = x else {
-        return decline("upsample2d: no input");
+        return decline("upsample: no input");
     };
-    float_input(&x, "upsample2d")?;
-    let (os, sc) = up_args(c, &x)?;
-    if os.iter().any(|v| *v <= 0) {
-        return decline("upsample2d: non-positive output size");
+    if !up_dtype_ok(kind, x.dtype, false) {
+        return decline(format!("upsample: {} input", torch_name(x.dtype)));
     }
+    let (os, sc) = up_args(c, &x, n)?;
     let align = c.args.bool_or("align_corners", false);
-    let (mh, mw) = if bilinear {
-        (
-            linear_matrix(x.shape[2], os[0], align, sc[0]),
-            linear_matrix(x.shape[3], os[1], align, sc[1]),
-        )
-    } else {
-        (
-            nearest_matrix(x.shape[2], os[0], sc[0]),
-            nearest_matrix(x.shape[3], os[1], sc[1]),
-        )
-    };
+    let want = with_spatial(&x.shape, &os);
+    if numel(&want) == 0 {
+        return Ok(empty_outs(c.b, &[x.dtype], &want));
+    }
+    // The 2-d nearest kernel keeps PyTorch's old copy shortcuts; the 1-d and 3-d ones do not.
+    let shortcut = kind != Interp::Nearest || n == 2;
     let cd = opmath(x.dtype);
+    // The weights are stored in the input dtype, except by the 2-d bilinear kernel.
+    let wd = if kind == Interp::Linear && n == 2 {
+        cd
+    } else {
+        x.dtype
+    };
     let b = &mut *c.b;
-    let xv = b.convert(x.value, cd);
-    let t = mix(b, xv, 2, &mh);
-    let t = mix(b, t, 3, &mw);
+    let mut t = b.convert(x.value, cd);
+    for i in 0..n {
+        let m = interp_matrix(kind, x.shape[2 + i], os[i], align, sc[i], shortcut, wd);
+        t = mix(b, t, 2 + i, &m);
+    }
     Ok(vec![Out::T(b.convert(t, x.dtype))])
 }
 
-fn upsample2d_backward(c: &mut Ctx, bilinear: bool) -> LResult<Vec<Out>> {
+/// The backward of `upsample`: the transposed matrices of PyTorch's backward kernels.
+fn upsample_backward(c: &mut Ctx, n: usize, kind: Interp) -> LResult<Vec<Out>> {
     let gy = tensor(c, "grad_output")?;
-    float_input(&gy, "upsample2d_backward")?;
+    if !up_dtype_ok(kind, gy.dtype, true) {
+        return decline(format!("upsample backward: {} input", torch_name(gy.dtype)));
+    }
     let os = c.args.ints("output_size")?;
     let is = c.args.ints("input_size")?;
-    if os.len() != 2
-        || is.len() != 4
-        || gy.shape.len() != 4
+    if os.len() != n
+        || is.len() != n + 2
+        || gy.shape.len() != n + 2
         || gy.shape[2..] != os[..]
         || gy.shape[..2] != is[..2]
+        || is[2..].iter().chain(&os).any(|v| *v <= 0)
     {
-        return decline("upsample2d_backward: sizes");
+        // The CPU fallback reports these with PyTorch's messages.
+        return decline("upsample backward: sizes");
     }
-    if is.contains(&0) || os.contains(&0) {
-        return decline("upsample2d_backward: empty");
+    if numel(&is) == 0 {
+        return Ok(empty_outs(c.b, &[gy.dtype], &is));
     }
-    let sc = [c.args.opt_float("scales_h"), c.args.opt_float("scales_w")];
+    // PyTorch's bicubic backward copies when no size changes.
+    if kind == Interp::Cubic && is[2..] == os[..] {
+        return Ok(vec![Out::T(gy.value)]);
+    }
+    let sc: Vec<Option<f64>> = scale_names(n).iter().map(|s| c.args.opt_float(s)).collect();
     let align = c.args.bool_or("align_corners", false);
-    let (mh, mw) = if bilinear {
+    // The backward kernels keep their weights in the opmath type; only nearest shortcuts.
+    let (cd, shortcut) = (opmath(gy.dtype), kind == Interp::Nearest);
+    let b = &mut *c.b;
+    let mut t = b.convert(gy.value, cd);
+    for i in 0..n {
+        let m = interp_matrix(kind, is[2 + i], os[i], align, sc[i], shortcut, cd);
+        t = mix(b, t, 2 + i, &transpose_matrix(&m, is[2 + i] as usize));
+    }
+    Ok(vec![Out::T(b.convert(t, gy.dtype))])
+}
+
+// ---------------------------------------------------------------------------------------
+// Grid sampling
+// ---------------------------------------------------------------------------------------
+
+/// f32 arithmetic rounded to `.0` (f16/bf16) after every operation, as PyTorch's CPU
+/// kernels compute in those dtypes. The rounding uses integer ops, which XLA cannot drop
+/// as excess precision the way it drops a convert pair.
+#[derive(Clone, Copy)]
+struct Narrow(DType);
+
+impl Narrow {
+    fn r(self, b: &mut Builder, x: Value) -> Value {
+        let drop = match self.0 {
+            DType::BF16 => 16,
+            DType::F16 => 13,
+            _ => return x,
+        };
+        // Round the f32 mantissa to the narrow one, ties to even.
+        let bits = b.bitcast_convert(x, DType::I32);
+        let sh = b.splat(bits, drop as f64);
+        let lsb = b.binary("stablehlo.shift_right_logical", bits, sh);
+        let one = b.splat(bits, 1.0);
+        let lsb = b.and(lsb, one);
+        let half = b.splat(bits, ((1i64 << (drop - 1)) - 1) as f64);
+        let t = b.add(bits, half);
+        let t = b.add(t, lsb);
+        let mask = b.splat(bits, (-1i64 << drop) as f64);
+        let t = b.and(t, mask);
+        let normal = b.bitcast_convert(t, DType::F32);
+        if self.0 == DType::BF16 {
+            return normal;
+        }
+        // f16 subnormals are multiples of 2^-24.
+        let s = b.splat(x, 2f64.powi(24));
+        let y = b.mul(x, s);
+        let y = b.unary("stablehlo.round_nearest_even", y);
+        let inv = b.splat(x, 2f64.powi(-24));
+        let sub = b.mul(y, inv);
+        let ax = b.abs(x);
+        let lim = b.splat(x, 2f64.powi(-14));
+        let small = b.compare(ax, lim, CmpDir::Lt);
+        b.select(small, sub, normal)
+    }
+    fn add(self, b: &mut Builder, x: Value, y: Value) -> Value {
+        let v = b.add(x, y);
+        self.r(b, v)
+    }
+    fn sub(self, b: &mut Builder, x: Value, y: Value) -> Value {
+        let v = b.sub(x, y);
+        self.r(b, v)
+    }
+    fn mul(self, b: &mut Builder, x: Value, y: Value) -> Value {
+        let v = b.mul(x, y);
+        self.r(b, v)
+    }
+    fn div(self, b: &mut Builder, x: Value, y: Value) -> Value {
+        let v = b.div(x, y);
+        self.r(b, v)
+    }
+    /// A constant like `like`, rounded to the narrow dtype.
+    fn c(self, b: &mut Builder, like: Value, v: f64) -> Value {
+        b.splat(like, round_to(v, self.0))
+    }
+}
+
+/// One sampling tap along one input dim, per output point: the index (clamped into the
+/// input), its weight, whether it lies inside the input, and d weight / d coordinate.
+struct Tap {
+    idx: Value,
+    w: Value,
+    ok: Value,
+    dw: Value,
+}
+
+/// grid_sampler_{2,3}d arguments: (input, grid, interpolation, padding mode, align_corners).
+fn grid_args(c: &Ctx, n: usize) -> LResult<(TensorArg, TensorArg, i64, i64, bool)> {
+    let x = tensor(c, "input")?;
+    let g = tensor(c, "grid")?;
+    let mode = c.args.int("interpolation_mode")?;
+    let pad = c.args.int("padding_mode")?;
+    let align = c.args.bool_or("align_corners", false);
+    let r = n + 2;
+    let max_mode = if n == 2 { 2 } else { 1 };
+    let ok = x.dtype.is_float()
+        && g.dtype == x.dtype
+        && x.shape.len() == r
+        && g.shape.len() == r
+        && g.shape[0] == x.shape[0]
+        && g.shape[r - 1] == n as i64
+        && !x.shape[1..].contains(&0)
+        && (0..=max_mode).contains(&mode)
+        && (0..=2).contains(&pad);
+    if !ok {
+        // The CPU fallback reports bad arguments in PyTorch's words.
+        return decline("grid_sampler: unsupported arguments");
+    }
+    Ok((x, g, mode, pad, align))
+}
+
+/// Reflection and clipping of source coordinates `x` into an input dim of `size`
+/// (padding modes 1 border, 2 reflection; 0 keeps them), with the factor they apply to
+/// d x.
+fn grid_pad(
+    b: &mut Builder,
+    nr: Narrow,
+    x: Value,
+    size: i64,
+    pad: i64,
+    align: bool,
+) -> (Value, Value) {
+    let mut x = x;
+    let mut mult = b.splat(x, 1.0);
+    if pad == 0 {
+        return (x, mult);
+    }
+    if pad == 2 {
+        let (lo, span) = if align {
+            (0.0, 2.0 * (size - 1) as f64)
+        } else {
+            (-0.5, 2.0 * size as f64)
+        };
+        if span == 0.0 {
+            let z = b.splat(x, 0.0);
+            return (z, z);
+        }
+        // Fold |x - lo| into [0, span) and reflect the upper half.
+        let lov = b.splat(x, lo);
+        let t = nr.sub(b, x, lov);
+        let z = b.splat(x, 0.0);
+        let neg = b.compare(t, z, CmpDir::Lt);
+        let a = b.abs(t);
+        let sp = nr.c(b, x, span);
+        let q = nr.div(b, a, sp);
+        let q = b.floor(q);
+        let q = nr.mul(b, q, sp);
+        let extra = nr.sub(b, a, q);
+        let refl = nr.sub(b, sp, extra);
+        let more = b.compare(extra, refl, CmpDir::Gt);
+        let folded = b.select(more, refl, extra);
+        x = nr.add(b, folded, lov);
+        let flip = b.binary("stablehlo.xor", more, neg);
+        let m1 = b.splat(x, -1.0);
+        mult = b.select(flip, m1, mult);
+    }
+    let z = b.splat(x, 0.0);
+    let hi = b.splat(x, (size - 1) as f64);
+    let above = b.compare(x, z, CmpDir::Gt);
+    let below = b.compare(x, hi, CmpDir::Lt);
+    let inside = b.and(above, below);
+    x = b.clamp(z, x, hi);
+    mult = b.select(inside, mult, z);
+    (x, mult)
+}
+
+/// The taps of one input dim of `size` for normalized grid values `g` ([N, P]) and
+/// d coordinate / d g. `scalar` follows PyTorch's scalar (3-d) kernel's arithmetic rather
+/// than its vectorized 2-d one.
+#[allow(clippy::too_many_arguments)]
+fn grid_taps(
+    b: &mut Builder,
+    nr: Narrow,
+    g: Value,
+    size: i64,
+    mode: i64,
+    pad: i64,
+    align: bool,
+    scalar: bool,
+) -> (Vec<Tap>, Value) {
+    // Unnormalize: -1 and 1 are the corner pixels' centers (align_corners) or edges.
+    let scale = if align {
+        (size - 1) as f64 / 2.0
+    } else {
+        size as f64 / 2.0
+    };
+    let one = b.splat(g, 1.0);
+    let t = nr.add(b, g, one);
+    let x = match (scalar, align) {
+        // ((g + 1) / 2) * (size - 1) and ((g + 1) * size - 1) / 2
+        (true, true) => {
+            let two = b.splat(g, 2.0);
+            let h = nr.div(b, t, two);
+            let m = nr.c(b, g, (size - 1) as f64);
+            nr.mul(b, h, m)
+        }
+        (true, false) => {
+            let m = nr.c(b, g, size as f64);
+            let u = nr.mul(b, t, m);
+            let u = nr.sub(b, u, one);
+            let two = b.splat(g, 2.0);
+            nr.div(b, u, two)
+        }
+        // (g + 1) * scale (- 0.5)
+        (false, _) => {
+            let s = nr.c(b, g, scale);
+            let u = nr.mul(b, t, s);
+            if align {
+                u
+            } else {
+                let h = b.splat(g, 0.5);
+                nr.sub(b, u, h)
+            }
+        }
+    };
+    // Bicubic pads each tap instead of the coordinate.
+    let (x, m) = if mode == 2 {
+        (x, b.splat(x, 1.0))
+    } else {
+        grid_pad(b, nr, x, size, pad, align)
+    };
+    let s = b.splat(x, scale);
+    let mult = b.mul(m, s);
+    // Non-finite coordinates sample nothing, as PyTorch's int conversion guard does.
+    let big = b.splat(x, 1e9);
+    let ax = b.abs(x);
+    let finite = b.compare(ax, big, CmpDir::Lt);
+    let far = b.splat(x, -100.0);
+    let x = b.select(finite, x, far);
+    let zero = b.splat(x, 0.0);
+    let tap = |b: &mut Builder, pos: Value, w: Value, dw: Value| {
+        let i = b.convert(pos, DType::I64);
+        let lo = b.splat(i, 0.0);
+        let hi = b.splat(i, (size - 1) as f64);
+        let ge = b.compare(i, lo, CmpDir::Ge);
+        let le = b.compare(i, hi, CmpDir::Le);
+        let ok = b.and(ge, le);
+        let idx = b.clamp(lo, i, hi);
+        Tap { idx, w, ok, dw }
+    };
+    let taps = match mode {
+        // Nearest: round half to even.
+        1 => {
+            let r = b.unary("stablehlo.round_nearest_even", x);
+            let w = b.splat(x, 1.0);
+            vec![tap(b, r, w, zero)]
+        }
+        0 => {
+            let f = b.floor(x);
+            let w1 = nr.sub(b, x, f);
+            let f1 = b.add(f, one);
+            let w0 = if scalar {
+                nr.sub(b, f1, x)
+            } else {
+                nr.sub(b, one, w1)
+            };
+            let m1 = b.splat(x, -1.0);
+            vec![tap(b, f, w0, m1), tap(b, f1, w1, one)]
+        }
+        _ => {
+            let f = b.floor(x);
+            let t = nr.sub(b, x, f);
+            let mut out = Vec::new();
+            for k in 0..4 {
+                let (w, dw) = cubic_tap_weight(b, nr, t, k);
+                let off = b.splat(f, k as f64 - 1.0);
+                let p = b.add(f, off);
+                let (p, _) = grid_pad(b, nr, p, size, pad, align);
+                out.push(tap(b, p, w, dw));
+            }
+            out
+        }
+    };
+    (taps, mult)
+}
+
+/// The bicubic weight (A = -0.75) of tap `k` (at offset k - 1 from the floor) for a point
+/// `t` past the floor, and its derivative in `t`.
+fn cubic_tap_weight(b: &mut Builder, nr: Narrow, t: Value, k: usize) -> (Value, Value) {
+    let a = -0.75;
+    // The distance to the tap, as PyTorch forms it.
+    let x = match k {
+        0 => {
+            let one = b.splat(t, 1.0);
+            nr.add(b, t, one)
+        }
+        1 => t,
+        _ => {
+            let d = b.splat(t, k as f64 - 1.0);
+            nr.sub(b, d, t)
+        }
+    };
+    // Horner forms of Keys' kernel (near for |x| < 1: taps 1, 2) and its derivative.
+    let poly = |b: &mut Builder, cs: &[f64]| {
+        let mut acc = b.splat(x, cs[0]);
+        for c in &cs[1..] {
+            acc = nr.mul(b, acc, x);
+            let cv = b.splat(x, *c);
+            acc = nr.add(b, acc, cv);
+        }
+        acc
+    };
+    let (w, dw) = if k == 1 || k == 2 {
         (
-            linear_matrix(is[2], os[0], align, sc[0]),
-            linear_matrix(is[3], os[1], align, sc[1]),
+            poly(b, &[a + 2.0, -(a + 3.0), 0.0, 1.0]),
+            poly(b, &[3.0 * (a + 2.0), -2.0 * (a + 3.0), 0.0]),
         )
     } else {
         (
-            nearest_matrix(is[2], os[0], sc[0]),
-            nearest_matrix(is[3], os[1], sc[1]),
+            poly(b, &[a, -5.0 * a, 8.0 * a, -4.0 * a]),
+            poly(b, &[3.0 * a, -10.0 * a, 8.0 * a]),
         )
     };
-    let cd = opmath(gy.dtype);
+    // d x / d t is -1 for the taps past the point.
+    let dw = if k >= 2 { b.neg(dw) } else { dw };
+    (w, dw)
+}
+
+/// One tap combination (a tap per input dim): the [N, P, 2] (batch, flat index) gather
+/// indices, the weight product (zero outside the input), validity, and the taps.
+struct Combo<'a> {
+    idx: Value,
+    w: Value,
+    ok: Value,
+    taps: Vec<&'a Tap>,
+}
+
+fn grid_combos<'a>(
+    b: &mut Builder,
+    nr: Narrow,
+    dims: &'a [(Vec<Tap>, Value)],
+    sizes: &[i64],
+    np: [i64; 2],
+) -> Vec<Combo<'a>> {
+    let mut combos: Vec<Vec<&Tap>> = vec![vec![]];
+    for (taps, _) in dims {
+        combos = combos
+            .into_iter()
+            .flat_map(|c| {
+                taps.iter().map(move |t| {
+                    let mut c = c.clone();
+                    c.push(t);
+                    c
+                })
+            })
+            .collect();
+    }
+    let batch = b.iota(DType::I64, &np, 0);
+    let batch = b.reshape(batch, &[np[0], np[1], 1]);
+    combos
+        .into_iter()
+        .map(|taps| {
+            let mut flat = taps[0].idx;
+            let mut ok = taps[0].ok;
+            for (t, size) in taps[1..].iter().zip(&sizes[1..]) {
+                let s = b.splat(flat, *size as f64);
+                flat = b.mul(flat, s);
+                flat = b.add(flat, t.idx);
+                ok = b.and(ok, t.ok);
+            }
+            // PyTorch multiplies the weights from the width dim up.
+            let mut w = taps[taps.len() - 1].w;
+            for t in taps[..taps.len() - 1].iter().rev() {
+                w = nr.mul(b, w, t.w);
+            }
+            let flat = b.reshape(flat, &[np[0], np[1], 1]);
+            let idx = b.concatenate(&[batch, flat], 2);
+            let z = b.splat(w, 0.0);
+            let w = b.select(ok, w, z);
+            Combo { idx, w, ok, taps }
+        })
+        .collect()
+}
+
+/// grid_sampler_{2,3}d's shared setup: the input as [N, S, C] (opmath), the taps of each
+/// input dim, [N, P] (P output points) and the output shape.
+struct GridSetup {
+    x: TensorArg,
+    g: TensorArg,
+    xv: Value,
+    dims: Vec<(Vec<Tap>, Value)>,
+    np: [i64; 2],
+    out: Vec<i64>,
+    mode: i64,
+    nr: Narrow,
+}
+
+fn grid_setup(c: &mut Ctx, n: usize) -> LResult<GridSetup> {
+    let (x, g, mode, pad, align) = grid_args(c, n)?;
+    let cd = opmath(x.dtype);
+    let nr = Narrow(x.dtype);
+    let (nb, ch) = (x.shape[0], x.shape[1]);
+    let sizes = &x.shape[2..];
+    let pts = numel(&g.shape[1..n + 1]);
     let b = &mut *c.b;
-    let g = b.convert(gy.value, cd);
-    let t = mix(b, g, 2, &transpose_matrix(&mh, is[2] as usize));
-    let t = mix(b, t, 3, &transpose_matrix(&mw, is[3] as usize));
-    Ok(vec![Out::T(b.convert(t, gy.dtype))])
+    let xv = b.convert(x.value, cd);
+    let xv = b.reshape(xv, &[nb, ch, numel(sizes)]);
+    let xv = b.transpose(xv, &[0, 2, 1]);
+    let gv = b.convert(g.value, cd);
+    let gv = b.reshape(gv, &[nb, pts, n as i64]);
+    let dims = (0..n)
+        .map(|i| {
+            // Grid component 0 addresses the last (width) dim.
+            let comp = (n - 1 - i) as i64;
+            let gi = b.slice_dim(gv, 2, comp, comp + 1, 1);
+            let gi = b.reshape(gi, &[nb, pts]);
+            grid_taps(b, nr, gi, sizes[i], mode, pad, align, n == 3)
+        })
+        .collect();
+    let mut out = vec![nb, ch];
+    out.extend_from_slice(&g.shape[1..n + 1]);
+    Ok(GridSetup {
+        x,
+        g,
+        xv,
+        dims,
+        np: [nb, pts],
+        out,
+        mode,
+        nr,
+    })
+}
+
+/// grid_sampler_2d / grid_sampler_3d: bilinear, nearest or bicubic samples of the input at
+/// the grid's points, zero / border / reflection padding, summed in PyTorch's order.
+fn grid_sampler(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
+    let gs = grid_setup(c, n)?;
+    let b = &mut *c.b;
+    if numel(&gs.out) == 0 {
+        return Ok(empty_outs(b, &[gs.x.dtype], &gs.out));
+    }
+    let (np, nr) = (gs.np, gs.nr);
+    let full = [np[0], np[1], gs.x.shape[1]];
+    // Terms of the sum: gathered values times their (per point) factor.
+    let term = |b: &mut Builder, cb: &Combo, w: Value| {
+        let v = b.gather(gs.xv, cb.idx, &[2], &[0, 1], &[0, 1], 2, &[1, 1, full[2]]);
+        let wb = b.broadcast_in_dim(w, &full, &[0, 1]);
+        let p = nr.mul(b, v, wb);
+        let okb = b.broadcast_in_dim(cb.ok, &full, &[0, 1]);
+        let z = b.splat(p, 0.0);
+        b.select(okb, p, z)
+    };
+    let combos = grid_combos(b, nr, &gs.dims, &gs.x.shape[2..], np);
+    let mut acc: Option<Value> = None;
+    if gs.mode == 2 {
+        // Bicubic interpolates each row along the width, then the rows.
+        for row in combos.chunks(4) {
+            let mut r: Option<Value> = None;
+            for cb in row {
+                let t = term(b, cb, cb.taps[1].w);
+                r = Some(r.map_or(t, |a| nr.add(b, a, t)));
+            }
+            let r = r.expect("4 taps");
+            let wy = b.broadcast_in_dim(row[0].taps[0].w, &full, &[0, 1]);
+            let t = nr.mul(b, wy, r);
+            acc = Some(acc.map_or(t, |a| nr.add(b, a, t)));
+        }
+    } else {
+        for cb in &combos {
+            let t = term(b, cb, cb.w);
+            acc = Some(acc.map_or(t, |a| nr.add(b, a, t)));
+        }
+    }
+    let y = acc.expect("at least one tap");
+    let y = b.transpose(y, &[0, 2, 1]);
+    let y = b.reshape(y, &gs.out);
+    Ok(vec![Out::T(b.convert(y, gs.x.dtype))])
+}
+
+/// grid_sampler_{2,3}d_backward: the input gradient scatters grad_output through the
+/// sampling weights; the grid gradient differentiates the weights.
+fn grid_sampler_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
+    let gy = tensor(c, "grad_output")?;
+    let mask = c.args.bools("output_mask")?;
+    let gs = grid_setup(c, n)?;
+    let (x, g) = (&gs.x, &gs.g);
+    if gy.shape != gs.out || gy.dtype != x.dtype || mask.len() != 2 {
+        return decline("grid_sampler_backward: grad_output shape");
+    }
+    let b = &mut *c.b;
+    let mut outs = Vec::new();
+    if numel(&gs.out) == 0 {
+        outs.push(Out::T(b.full(x.dtype, &x.shape, 0.0)));
+        outs.push(Out::T(b.full(g.dtype, &g.shape, 0.0)));
+        return Ok(outs);
+    }
+    let (np, ch) = (gs.np, x.shape[1]);
+    let cd = b.dtype(gs.xv);
+    let full = [np[0], np[1], ch];
+    let gv = b.convert(gy.value, cd);
+    let gv = b.reshape(gv, &[np[0], ch, np[1]]);
+    let gv = b.transpose(gv, &[0, 2, 1]);
+    let s = numel(&x.shape[2..]);
+    let mut gin = b.full(cd, &[np[0], s, ch], 0.0);
+    let mut ggrid: Vec<Value> = (0..n).map(|_| b.full(cd, &np, 0.0)).collect();
+    for cb in grid_combos(b, gs.nr, &gs.dims, &x.shape[2..], np) {
+        let okb = b.broadcast_in_dim(cb.ok, &full, &[0, 1]);
+        let z = b.full(cd, &full, 0.0);
+        if mask[0] {
+            let wb = b.broadcast_in_dim(cb.w, &full, &[0, 1]);
+            let u = b.mul(gv, wb);
+            let u = b.select(okb, u, z);
+            gin = b.scatter(gin, cb.idx, u, &[2], &[0, 1], &[0, 1], 2, |b, a, u| {
+                b.add(a, u)
+            });
+        }
+        if mask[1] {
+            // sum_c grad * value, times each dim's weight derivative and the others' weights.
+            let v = b.gather(gs.xv, cb.idx, &[2], &[0, 1], &[0, 1], 2, &[1, 1, ch]);
+            let gvv = b.mul(gv, v);
+            let gvv = b.select(okb, gvv, z);
+            let gvv = b.reduce(gvv, &[2], ReduceKind::Sum);
+            for i in 0..n {
+                let mut d = cb.taps[i].dw;
+                for (j, t) in cb.taps.iter().enumerate() {
+                    if j != i {
+                        d = b.mul(d, t.w);
+                    }
+                }
+                let term = b.mul(gvv, d);
+                ggrid[i] = b.add(ggrid[i], term);
+            }
+        }
+    }
+    if mask[0] {
+        let gi = b.transpose(gin, &[0, 2, 1]);
+        let gi = b.reshape(gi, &x.shape);
+        outs.push(Out::T(b.convert(gi, x.dtype)));
+    } else {
+        outs.push(Out::None);
+    }
+    if mask[1] {
+        // Grid component k addresses input dim n - 1 - k.
+        let comps: Vec<Value> = (0..n)
+            .map(|k| {
+                let i = n - 1 - k;
+                let t = b.mul(ggrid[i], gs.dims[i].1);
+                b.reshape(t, &[np[0], np[1], 1])
+            })
+            .collect();
+        let gg = b.concatenate(&comps, 2);
+        let gg = b.reshape(gg, &g.shape);
+        outs.push(Out::T(b.convert(gg, g.dtype)));
+    } else {
+        outs.push(Out::None);
+    }
+    Ok(outs)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -2498,7 +4109,8 @@ fn native_dropout_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::native_batch_norm", batch_norm),
-    ("aten::_native_batch_norm_legit", batch_norm),
+    ("aten::_native_batch_norm_legit", batch_norm_legit),
+    ("aten::_batch_norm_with_update", batch_norm_with_update),
     ("aten::_native_batch_norm_legit_no_training", batch_norm),
     ("aten::native_batch_norm_backward", batch_norm_backward),
     ("aten::batch_norm_backward", batch_norm_backward),
@@ -2530,21 +4142,50 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::convolution_overrideable", convolution),
     ("aten::convolution_backward", convolution_backward),
     (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        sdpa_flash,
+    ),
+    (
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+        sdpa_flash_backward,
+    ),
+    (
         "aten::convolution_backward_overrideable",
         convolution_backward,
     ),
-    ("aten::max_pool2d_with_indices", max_pool2d),
-    (
-        "aten::max_pool2d_with_indices_backward",
-        max_pool2d_backward,
-    ),
-    ("aten::avg_pool2d", avg_pool2d),
-    ("aten::avg_pool2d_backward", avg_pool2d_backward),
-    ("aten::_adaptive_avg_pool2d", adaptive_avg_pool2d),
-    (
-        "aten::_adaptive_avg_pool2d_backward",
-        adaptive_avg_pool2d_backward,
-    ),
+    ("aten::max_pool2d_with_indices", |c| max_pool(c, 2)),
+    ("aten::max_pool3d_with_indices", |c| max_pool(c, 3)),
+    ("aten::max_pool2d_with_indices_backward", |c| {
+        max_pool_backward(c, 2)
+    }),
+    ("aten::max_pool3d_with_indices_backward", |c| {
+        max_pool_backward(c, 3)
+    }),
+    ("aten::avg_pool2d", |c| avg_pool(c, 2)),
+    ("aten::avg_pool3d", |c| avg_pool(c, 3)),
+    ("aten::avg_pool2d_backward", |c| avg_pool_backward(c, 2)),
+    ("aten::avg_pool3d_backward", |c| avg_pool_backward(c, 3)),
+    ("aten::_adaptive_avg_pool2d", |c| adaptive_avg_pool(c, 2)),
+    ("aten::_adaptive_avg_pool3d", |c| adaptive_avg_pool(c, 3)),
+    ("aten::_adaptive_avg_pool2d_backward", |c| {
+        adaptive_avg_pool_backward(c, 2)
+    }),
+    ("aten::_adaptive_avg_pool3d_backward", |c| {
+        adaptive_avg_pool_backward(c, 3)
+    }),
+    ("aten::adaptive_max_pool2d", |c| adaptive_max_pool(c, 2)),
+    ("aten::adaptive_max_pool3d", |c| adaptive_max_pool(c, 3)),
+    ("aten::adaptive_max_pool2d_backward", |c| {
+        adaptive_max_pool_backward(c, 2)
+    }),
+    ("aten::adaptive_max_pool3d_backward", |c| {
+        adaptive_max_pool_backward(c, 3)
+    }),
+    ("aten::max_unpool2d", |c| max_unpool(c, 2)),
+    ("aten::max_unpool3d", |c| max_unpool(c, 3)),
+    ("aten::im2col", im2col),
+    ("aten::col2im", col2im),
+    ("aten::unfold_backward", unfold_backward),
     ("aten::constant_pad_nd", constant_pad_nd),
     ("aten::reflection_pad1d", |c| edge_pad(c, 1, true)),
     ("aten::reflection_pad2d", |c| edge_pad(c, 2, true)),
@@ -2586,13 +4227,85 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::mish", mish),
     ("aten::mish_backward", mish_backward),
     ("aten::log_sigmoid_backward", log_sigmoid_backward),
-    ("aten::upsample_nearest2d", |c| upsample2d(c, false)),
-    ("aten::upsample_nearest2d_backward", |c| {
-        upsample2d_backward(c, false)
+    ("aten::upsample_nearest1d", |c| {
+        upsample(c, 1, Interp::Nearest)
     }),
-    ("aten::upsample_bilinear2d", |c| upsample2d(c, true)),
+    ("aten::upsample_nearest1d_backward", |c| {
+        upsample_backward(c, 1, Interp::Nearest)
+    }),
+    ("aten::upsample_nearest2d", |c| {
+        upsample(c, 2, Interp::Nearest)
+    }),
+    ("aten::upsample_nearest2d_backward", |c| {
+        upsample_backward(c, 2, Interp::Nearest)
+    }),
+    ("aten::upsample_nearest3d", |c| {
+        upsample(c, 3, Interp::Nearest)
+    }),
+    ("aten::upsample_nearest3d_backward", |c| {
+        upsample_backward(c, 3, Interp::Nearest)
+    }),
+    ("aten::_upsample_nearest_exact1d", |c| {
+        upsample(c, 1, Interp::NearestExact)
+    }),
+    ("aten::_upsample_nearest_exact1d_backward", |c| {
+        upsample_backward(c, 1, Interp::NearestExact)
+    }),
+    ("aten::_upsample_nearest_exact2d", |c| {
+        upsample(c, 2, Interp::NearestExact)
+    }),
+    ("aten::_upsample_nearest_exact2d_backward", |c| {
+        upsample_backward(c, 2, Interp::NearestExact)
+    }),
+    ("aten::_upsample_nearest_exact3d", |c| {
+        upsample(c, 3, Interp::NearestExact)
+    }),
+    ("aten::_upsample_nearest_exact3d_backward", |c| {
+        upsample_backward(c, 3, Interp::NearestExact)
+    }),
+    ("aten::upsample_linear1d", |c| {
+        upsample(c, 1, Interp::Linear)
+    }),
+    ("aten::upsample_linear1d_backward", |c| {
+        upsample_backward(c, 1, Interp::Linear)
+    }),
+    ("aten::upsample_bilinear2d", |c| {
+        upsample(c, 2, Interp::Linear)
+    }),
     ("aten::upsample_bilinear2d_backward", |c| {
-        upsample2d_backward(c, true)
+        upsample_backward(c, 2, Interp::Linear)
+    }),
+    ("aten::upsample_trilinear3d", |c| {
+        upsample(c, 3, Interp::Linear)
+    }),
+    ("aten::upsample_trilinear3d_backward", |c| {
+        upsample_backward(c, 3, Interp::Linear)
+    }),
+    ("aten::upsample_bicubic2d", |c| {
+        upsample(c, 2, Interp::Cubic)
+    }),
+    ("aten::upsample_bicubic2d_backward", |c| {
+        upsample_backward(c, 2, Interp::Cubic)
+    }),
+    ("aten::_upsample_bilinear2d_aa", |c| {
+        upsample(c, 2, Interp::LinearAa)
+    }),
+    ("aten::_upsample_bilinear2d_aa_backward", |c| {
+        upsample_backward(c, 2, Interp::LinearAa)
+    }),
+    ("aten::_upsample_bicubic2d_aa", |c| {
+        upsample(c, 2, Interp::CubicAa)
+    }),
+    ("aten::_upsample_bicubic2d_aa_backward", |c| {
+        upsample_backward(c, 2, Interp::CubicAa)
+    }),
+    ("aten::grid_sampler_2d", |c| grid_sampler(c, 2)),
+    ("aten::grid_sampler_3d", |c| grid_sampler(c, 3)),
+    ("aten::grid_sampler_2d_backward", |c| {
+        grid_sampler_backward(c, 2)
+    }),
+    ("aten::grid_sampler_3d_backward", |c| {
+        grid_sampler_backward(c, 3)
     }),
     ("aten::native_dropout", native_dropout),
     ("aten::native_dropout_backward", native_dropout_backward),
@@ -2641,17 +4354,38 @@ mod tests {
 
     #[test]
     fn interpolation_rows_sum_to_one() {
+        let kinds = [
+            Interp::Linear,
+            Interp::Cubic,
+            Interp::LinearAa,
+            Interp::CubicAa,
+        ];
         for ac in [false, true] {
-            for row in linear_matrix(5, 9, ac, None) {
-                assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-6);
+            for kind in kinds {
+                for (i, o) in [(5, 9), (9, 4)] {
+                    for row in interp_matrix(kind, i, o, ac, None, true, DType::F32) {
+                        assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-6);
+                    }
+                }
             }
         }
-        let m = nearest_matrix(3, 7, None);
+        let m = interp_matrix(Interp::Nearest, 3, 7, false, None, false, DType::F32);
         let src: Vec<usize> = m
             .iter()
             .map(|r| r.iter().position(|v| *v == 1.0).unwrap())
             .collect();
         assert_eq!(src, vec![0, 0, 0, 1, 1, 2, 2]);
+    }
+
+    #[test]
+    fn window_helpers() {
+        // Replication with crops: output j copies x[clamp(j - l, 0, n - 1)].
+        assert_eq!(replicate_runs(4, -4, 5), (0, 4, 4, 5));
+        assert_eq!(replicate_runs(5, 5, -4), (5, 0, 1, 0));
+        assert_eq!(replicate_runs(5, 2, -1), (2, 0, 4, 0));
+        assert_eq!(window_taps(2, 3, 2, 1), vec![0, 1, 2, 2, 3, 4]);
+        let (k, idx, w) = sparse_rows(&[vec![0.0, 0.5, 0.5], vec![1.0, 0.0, 0.0]]);
+        assert_eq!((k, idx, w), (2, vec![1, 2, 0, 0], vec![0.5, 0.5, 1.0, 0.0]));
     }
 
     #[test]

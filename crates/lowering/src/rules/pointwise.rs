@@ -1,5 +1,6 @@
 //! Pointwise rules: arithmetic, math functions, comparisons, activations and their backward.
 
+use super::nn::opmath;
 use super::{common, mat, opnd, promote, same, scalar_value, Opnd};
 use crate::promote::to_float;
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, Value};
@@ -7,10 +8,13 @@ use stablehlo::CmpDir;
 
 type Un = fn(&mut Builder, Value) -> Value;
 
-/// `f(self)` computed in floating point (ints promote to float32).
+/// `f(self)` computed in floating point (ints promote to float32; half types compute in
+/// f32 and round once, as PyTorch's CPU kernels do).
 fn unary_float(c: &mut Ctx, f: Un) -> LResult<Vec<Out>> {
-    let (v, _, _) = promote(c, &["self"], to_float)?;
-    Ok(vec![Out::T(f(c.b, v[0]))])
+    let (v, dt, _) = promote(c, &["self"], to_float)?;
+    let x = c.b.convert(v[0], opmath(dt));
+    let r = f(c.b, x);
+    Ok(vec![Out::T(c.b.convert(r, dt))])
 }
 
 /// `f(self)` in self's own dtype.
@@ -124,8 +128,13 @@ fn div(c: &mut Ctx) -> LResult<Vec<Out>> {
         Some("floor") => {
             let (v, dt, _) = promote(c, &["self", "other"], same)?;
             let r = if dt.is_float() {
-                let q = c.b.div(v[0], v[1]);
-                c.b.floor(q)
+                // Half types floor the f32 quotient (the CPU kernel does; trunc mode
+                // truncates the rounded quotient instead).
+                let x = c.b.convert(v[0], opmath(dt));
+                let y = c.b.convert(v[1], opmath(dt));
+                let q = c.b.div(x, y);
+                let q = c.b.floor(q);
+                c.b.convert(q, dt)
             } else {
                 int_floor_div(c.b, v[0], v[1])
             };
@@ -201,9 +210,10 @@ const GELU_C: f64 = 0.044715;
 
 fn gelu(c: &mut Ctx) -> LResult<Vec<Out>> {
     let approx = c.args.str_or("approximate", "none").to_string();
-    let (v, _, _) = promote(c, &["self"], to_float)?;
+    let (v, dt, _) = promote(c, &["self"], to_float)?;
     let b = &mut *c.b;
-    let x = v[0];
+    // In f32 for half types, rounding once.
+    let x = b.convert(v[0], opmath(dt));
     let half = b.splat(x, 0.5);
     let one = b.splat(x, 1.0);
     let inner = if approx == "tanh" {
@@ -227,14 +237,17 @@ fn gelu(c: &mut Ctx) -> LResult<Vec<Out>> {
     };
     let t = b.add(one, inner);
     let t = b.mul(x, t);
-    Ok(vec![Out::T(b.mul(half, t))])
+    let r = b.mul(half, t);
+    Ok(vec![Out::T(b.convert(r, dt))])
 }
 
 fn gelu_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let approx = c.args.str_or("approximate", "none").to_string();
-    let (v, _, _) = promote(c, &["grad_output", "self"], to_float)?;
+    let (v, dt, _) = promote(c, &["grad_output", "self"], to_float)?;
     let b = &mut *c.b;
-    let (g, x) = (v[0], v[1]);
+    // In f32 for half types, rounding once.
+    let g = b.convert(v[0], opmath(dt));
+    let x = b.convert(v[1], opmath(dt));
     let half = b.splat(x, 0.5);
     let one = b.splat(x, 1.0);
     let d = if approx == "tanh" {
@@ -273,7 +286,8 @@ fn gelu_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
         let xp = b.mul(x, pdf);
         b.add(cdf, xp)
     };
-    Ok(vec![Out::T(b.mul(g, d))])
+    let r = b.mul(g, d);
+    Ok(vec![Out::T(b.convert(r, dt))])
 }
 
 fn silu(b: &mut Builder, x: Value) -> Value {
@@ -399,8 +413,14 @@ fn zero(c: &mut Ctx) -> LResult<Vec<Out>> {
 }
 
 fn lerp(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let (v, _, _) = promote(c, &["self", "end", "weight"], same)?;
+    // In f32 for half types (a number weight too), rounding once.
+    let ops: Vec<Opnd> = ["self", "end", "weight"]
+        .iter()
+        .map(|n| opnd(c, n))
+        .collect::<LResult<_>>()?;
+    let (dt, shape) = common(&ops)?;
     let b = &mut *c.b;
+    let v: Vec<Value> = ops.iter().map(|o| mat(b, o, opmath(dt), &shape)).collect();
     let (s, e, w) = (v[0], v[1], v[2]);
     // Two forms, as PyTorch, for accuracy near both ends.
     let d = b.sub(e, s);
@@ -413,11 +433,14 @@ fn lerp(c: &mut Ctx) -> LResult<Vec<Out>> {
     let half = b.splat(w, 0.5);
     let aw = b.abs(w);
     let small = b.compare(aw, half, CmpDir::Lt);
-    Ok(vec![Out::T(b.select(small, lo, hi))])
+    let r = b.select(small, lo, hi);
+    Ok(vec![Out::T(b.convert(r, dt))])
 }
 
 fn addc(c: &mut Ctx, divide: bool) -> LResult<Vec<Out>> {
-    let (v, _, _) = promote(c, &["self", "tensor1", "tensor2"], same)?;
+    let (v, dt, _) = promote(c, &["self", "tensor1", "tensor2"], same)?;
+    // In f32 for half types (value too), rounding once.
+    let v: Vec<Value> = v.iter().map(|x| c.b.convert(*x, opmath(dt))).collect();
     let t = if divide {
         c.b.div(v[1], v[2])
     } else {
@@ -427,7 +450,8 @@ fn addc(c: &mut Ctx, divide: bool) -> LResult<Vec<Out>> {
         Some((k, s)) if s.as_f64() != 1.0 => c.b.mul(k, t),
         _ => t,
     };
-    Ok(vec![Out::T(c.b.add(v[0], t))])
+    let r = c.b.add(v[0], t);
+    Ok(vec![Out::T(c.b.convert(r, dt))])
 }
 
 fn round(c: &mut Ctx) -> LResult<Vec<Out>> {
@@ -491,6 +515,73 @@ fn isinf(b: &mut Builder, x: Value) -> Value {
     b.compare(a, inf, CmpDir::Eq)
 }
 
+/// Python's floor division of floats: `(a - fmod(a, b)) / b`, one lower when the remainder
+/// and `b` differ in sign, then floored (rounding up a fraction above one half); a zero
+/// quotient keeps the sign of `a / b`, and `b == 0` gives IEEE `a / b`.
+fn float_floor_div(b: &mut Builder, x: Value, y: Value) -> Value {
+    let zero = b.splat(x, 0.0);
+    let one = b.splat(x, 1.0);
+    let half = b.splat(x, 0.5);
+    let m = b.binary("stablehlo.remainder", x, y);
+    let xm = b.sub(x, m);
+    let d = b.div(xm, y);
+    let m_nz = b.compare(m, zero, CmpDir::Ne);
+    let m_neg = b.compare(m, zero, CmpDir::Lt);
+    let y_neg = b.compare(y, zero, CmpDir::Lt);
+    let differ = b.compare(m_neg, y_neg, CmpDir::Ne);
+    let adj = b.and(m_nz, differ);
+    let d1 = b.sub(d, one);
+    let d = b.select(adj, d1, d);
+    let f = b.floor(d);
+    let frac = b.sub(d, f);
+    let up = b.compare(frac, half, CmpDir::Gt);
+    let f1 = b.add(f, one);
+    let f = b.select(up, f1, f);
+    let q = b.div(x, y);
+    let signed_zero = b.mul(q, zero);
+    let d_nz = b.compare(d, zero, CmpDir::Ne);
+    let r = b.select(d_nz, f, signed_zero);
+    let y_zero = b.compare(y, zero, CmpDir::Eq);
+    b.select(y_zero, q, r)
+}
+
+/// `floor_divide`: Python's `//` (half types in f32, rounded once).
+fn floor_divide(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let (v, dt, _) = promote(c, &["self", "other"], same)?;
+    let r = match dt {
+        DType::Bool => {
+            return user_err(
+                ErrorKind::NotImplemented,
+                "\"div_floor_cpu\" not implemented for 'Bool'",
+            )
+        }
+        d if d.is_float() => {
+            let x = c.b.convert(v[0], opmath(d));
+            let y = c.b.convert(v[1], opmath(d));
+            let q = float_floor_div(c.b, x, y);
+            c.b.convert(q, d)
+        }
+        _ => int_floor_div(c.b, v[0], v[1]),
+    };
+    Ok(vec![Out::T(r)])
+}
+
+/// `equal` as a 0-d bool: same shape and every element equal after type promotion. The
+/// runtime reads it back (`aten::equal` returns a Python bool; see runtime/datadep.rs).
+fn equal(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = c.args.tensor("self")?.clone();
+    let o = c.args.tensor("other")?.clone();
+    if a.shape != o.shape {
+        return Ok(vec![Out::T(c.b.constant(DType::Bool, 0.0))]);
+    }
+    let dt = crate::promote::promote_types(a.dtype, o.dtype);
+    let x = c.b.convert(a.value, dt);
+    let y = c.b.convert(o.value, dt);
+    let eq = c.b.compare(x, y, CmpDir::Eq);
+    let dims: Vec<i64> = (0..a.shape.len() as i64).collect();
+    Ok(vec![Out::T(c.b.reduce(eq, &dims, stablehlo::ReduceKind::And))])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::add", add),
     ("aten::sub", sub),
@@ -498,6 +589,9 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::mul", mul),
     ("aten::div", div),
     ("aten::remainder", remainder),
+    ("aten::floor_divide", floor_divide),
+    ("aten::equal", equal),
+    ("torch_pjrt::equal", equal),
     ("aten::fmod", |c| {
         binary(c, same, |b, x, y| b.binary("stablehlo.remainder", x, y))
     }),

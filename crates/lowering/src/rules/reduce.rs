@@ -1,5 +1,6 @@
 //! Reductions, scans and softmax.
 
+use super::nn::opmath;
 use crate::promote::torch_name;
 use crate::shape::{reduce_dims, reduced_shape, wrap_dim};
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value};
@@ -56,8 +57,15 @@ fn sum_like(c: &mut Ctx, kind: ReduceKind) -> LResult<Vec<Out>> {
     };
     let keep = c.args.bool_or("keepdim", false);
     let dt = acc_dtype(c, &t);
-    let x = c.b.convert(t.value, dt);
-    Ok(vec![Out::T(reduce_keep(c.b, x, &dims, kind, keep))])
+    // Half sums accumulate in f32 and round once, like the CPU kernel; prod rounds per step.
+    let cd = if kind == ReduceKind::Sum {
+        opmath(dt)
+    } else {
+        dt
+    };
+    let x = c.b.convert(t.value, cd);
+    let r = reduce_keep(c.b, x, &dims, kind, keep);
+    Ok(vec![Out::T(c.b.convert(r, dt))])
 }
 
 fn mean(c: &mut Ctx) -> LResult<Vec<Out>> {
@@ -78,11 +86,12 @@ fn mean(c: &mut Ctx) -> LResult<Vec<Out>> {
         (0..t.shape.len() as i64).collect()
     };
     let keep = c.args.bool_or("keepdim", false);
-    let x = c.b.convert(t.value, dt);
+    let x = c.b.convert(t.value, opmath(dt));
     let s = reduce_keep(c.b, x, &dims, ReduceKind::Sum, keep);
     let n: i64 = dims.iter().map(|d| t.shape[*d as usize]).product();
     let k = c.b.splat(s, n as f64);
-    Ok(vec![Out::T(c.b.div(s, k))])
+    let m = c.b.div(s, k);
+    Ok(vec![Out::T(c.b.convert(m, dt))])
 }
 
 fn amax_amin(c: &mut Ctx, kind: ReduceKind) -> LResult<Vec<Out>> {
@@ -260,7 +269,7 @@ fn var_std(c: &mut Ctx, take_sqrt: bool, with_mean: bool) -> LResult<Vec<Out>> {
         }
     };
     let b = &mut *c.b;
-    let x = t.value;
+    let x = b.convert(t.value, opmath(t.dtype));
     let n: i64 = dims.iter().map(|d| t.shape[*d as usize]).product();
     let s = sum_keep(b, x, &dims);
     let nk = b.splat(s, n as f64);
@@ -272,10 +281,10 @@ fn var_std(c: &mut Ctx, take_sqrt: bool, with_mean: bool) -> LResult<Vec<Out>> {
     let den = b.splat(ss, (n as f64 - correction).max(0.0));
     let v = b.div(ss, den);
     let v = if take_sqrt { b.sqrt(v) } else { v };
-    let mut outs = vec![Out::T(v)];
+    let mut outs = vec![Out::T(b.convert(v, t.dtype))];
     if with_mean {
         let m = b.reshape(m, &reduced_shape(&t.shape, &dims, keep));
-        outs.push(Out::T(m));
+        outs.push(Out::T(b.convert(m, t.dtype)));
     }
     Ok(outs)
 }
@@ -344,28 +353,31 @@ fn cumulative(c: &mut Ctx, kind: ReduceKind) -> LResult<Vec<Out>> {
     let t = input(c)?;
     let dim = wrap_dim(c.args.int("dim")?, t.shape.len())?;
     let dt = acc_dtype(c, &t);
-    let x = c.b.convert(t.value, dt);
-    Ok(vec![Out::T(scan(c.b, x, dim, kind))])
+    // Half types accumulate in f32, rounding each output once (the CPU's acc_type).
+    let x = c.b.convert(t.value, opmath(dt));
+    let r = scan(c.b, x, dim, kind);
+    Ok(vec![Out::T(c.b.convert(r, dt))])
 }
 
-/// Softmax along `dim`, in float32 for half inputs when `half_to_float`.
+/// Softmax along `dim`, computed in f32 for half inputs; the result stays f32 when
+/// `half_to_float`, else rounds once to the input dtype.
 fn softmax(c: &mut Ctx, log: bool) -> LResult<Vec<Out>> {
     let t = input(c)?;
     let dim = wrap_dim(c.args.int("dim")?, t.shape.len())? as i64;
-    let to_f32 = c.args.bool_or("half_to_float", false);
-    let b = &mut *c.b;
-    let x = if to_f32 {
-        b.convert(t.value, DType::F32)
+    let out_dt = if c.args.bool_or("half_to_float", false) {
+        DType::F32
     } else {
-        t.value
+        t.dtype
     };
+    let b = &mut *c.b;
+    let x = b.convert(t.value, opmath(t.dtype));
     if t.shape.is_empty() {
         let r = if log {
             b.splat(x, 0.0)
         } else {
             b.splat(x, 1.0)
         };
-        return Ok(vec![Out::T(r)]);
+        return Ok(vec![Out::T(b.convert(r, out_dt))]);
     }
     let m = reduce_keep(b, x, &[dim], ReduceKind::Max, true);
     let mb = expand_back(b, m, &t.shape);
@@ -379,7 +391,7 @@ fn softmax(c: &mut Ctx, log: bool) -> LResult<Vec<Out>> {
     } else {
         b.div(e, sb)
     };
-    Ok(vec![Out::T(r)])
+    Ok(vec![Out::T(b.convert(r, out_dt))])
 }
 
 fn softmax_backward(c: &mut Ctx, log: bool) -> LResult<Vec<Out>> {
@@ -388,21 +400,24 @@ fn softmax_backward(c: &mut Ctx, log: bool) -> LResult<Vec<Out>> {
     let dim = wrap_dim(c.args.int("dim")?, y.shape.len())? as i64;
     let in_dt = c.args.opt_dtype("input_dtype").unwrap_or(g.dtype);
     let b = &mut *c.b;
-    let gy = b.convert(g.value, y.dtype);
+    // In f32 for half types, rounding once at the end.
+    let cd = opmath(y.dtype);
+    let gy = b.convert(g.value, cd);
+    let yv = b.convert(y.value, cd);
     let r = if y.shape.is_empty() {
         b.splat(gy, 0.0)
     } else if log {
         let s = sum_keep(b, gy, &[dim]);
         let sb = expand_back(b, s, &y.shape);
-        let e = b.exp(y.value);
+        let e = b.exp(yv);
         let t = b.mul(e, sb);
         b.sub(gy, t)
     } else {
-        let p = b.mul(gy, y.value);
+        let p = b.mul(gy, yv);
         let s = sum_keep(b, p, &[dim]);
         let sb = expand_back(b, s, &y.shape);
         let d = b.sub(gy, sb);
-        b.mul(y.value, d)
+        b.mul(yv, d)
     };
     Ok(vec![Out::T(b.convert(r, in_dt))])
 }

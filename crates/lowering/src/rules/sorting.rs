@@ -354,6 +354,18 @@ fn cummaxmin(c: &mut Ctx, is_max: bool) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(v), Out::T(i)])
 }
 
+/// `_cummax_helper` / `_cummin_helper`, which cummax/cummin call for non-empty tensors
+/// after resizing `values` and `indices` to self's shape: the results go into those two.
+fn cum_helper(c: &mut Ctx, is_max: bool) -> LResult<Vec<Out>> {
+    let outs = cummaxmin(c, is_max)?;
+    for (name, o) in ["values", "indices"].iter().zip(outs) {
+        if let Out::T(v) = o {
+            c.write_arg(name, v);
+        }
+    }
+    Ok(vec![])
+}
+
 /// log(exp(x) + exp(y)) without overflow; equal infinities give themselves.
 fn log_add_exp(b: &mut Builder, x: Value, y: Value) -> Value {
     let hi = b.max(x, y);
@@ -1854,6 +1866,63 @@ fn count_nonzero(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.reduce(nz, &dims, ReduceKind::Sum))])
 }
 
+/// `nonzero_static`: the first `size` nonzero coordinates in row-major order, rows past
+/// the nonzero count set to `fill_value`. The size is fixed, so nothing synchronizes.
+fn nonzero_static(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = input(c)?;
+    let size = c.args.int("size")?;
+    let fill = c.args.int_or("fill_value", -1) as f64;
+    if size < 0 {
+        return user_err(
+            ErrorKind::Runtime,
+            "nonzero_static: 'size' must be an non-negative integer",
+        );
+    }
+    let r = t.shape.len();
+    let n = numel(&t.shape);
+    let b = &mut *c.b;
+    if r == 0 || n == 0 || size == 0 {
+        return Ok(vec![Out::T(b.full(DType::I64, &[size, r as i64], fill))]);
+    }
+    // A stable sort of "is zero" brings the nonzero flat indices to the front, in order.
+    let flat = b.reshape(t.value, &[n]);
+    let z = b.splat(flat, 0.0);
+    let nz = b.compare(flat, z, CmpDir::Ne);
+    let cnt = b.convert(nz, DType::I64);
+    let count = b.reduce(cnt, &[0], ReduceKind::Sum);
+    let one = b.splat(cnt, 1.0);
+    let key = b.sub(one, cnt);
+    let idx = b.iota(DType::I64, &[n], 0);
+    let sorted = b.sort(&[key, idx], 0, true, |b, a| {
+        b.compare(a[0], a[1], CmpDir::Lt)
+    });
+    let k = size.min(n);
+    let first = b.slice_dim(sorted[1], 0, 0, k, 1);
+    let mut cols = Vec::with_capacity(r);
+    let mut stride = n;
+    for d in &t.shape {
+        stride /= d;
+        let sv = b.splat(first, stride as f64);
+        let q = b.div(first, sv);
+        let dv = b.splat(q, *d as f64);
+        let q = b.binary("stablehlo.remainder", q, dv);
+        cols.push(b.reshape(q, &[k, 1]));
+    }
+    let coords = b.concatenate(&cols, 1);
+    let row = b.iota(DType::I64, &[k, r as i64], 0);
+    let cb = b.broadcast_in_dim(count, &[k, r as i64], &[]);
+    let valid = b.compare(row, cb, CmpDir::Lt);
+    let fv = b.splat(coords, fill);
+    let out = b.select(valid, coords, fv);
+    let out = if size > k {
+        let pad = b.full(DType::I64, &[size - k, r as i64], fill);
+        b.concatenate(&[out, pad], 0)
+    } else {
+        out
+    };
+    Ok(vec![Out::T(out)])
+}
+
 fn aminmax(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = input(c)?;
     let keep = c.args.bool_or("keepdim", false);
@@ -1924,6 +1993,9 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::mode", mode),
     ("aten::cummax", |c| cummaxmin(c, true)),
     ("aten::cummin", |c| cummaxmin(c, false)),
+    ("aten::_cummax_helper", |c| cum_helper(c, true)),
+    ("aten::_cummin_helper", |c| cum_helper(c, false)),
+    ("aten::nonzero_static", nonzero_static),
     ("aten::_logcumsumexp", logcumsumexp),
     ("aten::searchsorted", searchsorted),
     ("aten::bucketize", bucketize),

@@ -305,11 +305,68 @@ fn linspace(c: &mut Ctx) -> LResult<Vec<Out>> {
     let r = b.sub(last, i);
     let hi = b.mul(r, step);
     let hi = b.sub(eb, hi);
-    let half = b.full(DType::F64, &[n], (n / 2) as f64);
+    // steps == 1 gives start, as PyTorch does.
+    let half = b.full(DType::F64, &[n], (n / 2).max(1) as f64);
     let first = b.compare(i, half, stablehlo::CmpDir::Lt);
     let v = b.select(first, lo, hi);
     let v = b.convert(v, dt);
     Ok(vec![Out::T(v)])
+}
+
+/// `eye(n, m)`: ones on the main diagonal of an n x m matrix.
+fn eye(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let n = c.args.int("n")?;
+    let m = c.args.opt_int("m").unwrap_or(n);
+    for (name, v) in [("n", n), ("m", m)] {
+        if v < 0 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!("{name} must be greater or equal to 0, got {v}"),
+            );
+        }
+    }
+    let dt = factory_dtype(c, DType::F32);
+    let b = &mut *c.b;
+    let r = b.iota(DType::I64, &[n, m], 0);
+    let k = b.iota(DType::I64, &[n, m], 1);
+    let d = b.compare(r, k, stablehlo::CmpDir::Eq);
+    Ok(vec![Out::T(b.convert(d, dt))])
+}
+
+/// `channel_shuffle`: channels [g, c / g] regrouped as [c / g, g].
+fn channel_shuffle(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = c.args.tensor("self")?.clone();
+    let g = c.args.int("groups")?;
+    if t.shape.len() <= 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "channel_shuffle expects input with > 2 dims, but got input with sizes {}",
+                shape_str(&t.shape)
+            ),
+        );
+    }
+    if g <= 0 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("Number of groups to divide channels in must be positive. Value of groups:{g}"),
+        );
+    }
+    let ch = t.shape[1];
+    if ch % g != 0 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("Number of channels must be divisible by groups. Got {ch} channels and {g} groups."),
+        );
+    }
+    let mut split = vec![t.shape[0], g, ch / g];
+    split.extend_from_slice(&t.shape[2..]);
+    let mut perm: Vec<i64> = vec![0, 2, 1];
+    perm.extend(3..split.len() as i64);
+    let b = &mut *c.b;
+    let x = b.reshape(t.value, &split);
+    let x = b.transpose(x, &perm);
+    Ok(vec![Out::T(b.reshape(x, &t.shape))])
 }
 
 pub const RULES: &[(&str, Rule)] = &[
@@ -321,4 +378,6 @@ pub const RULES: &[(&str, Rule)] = &[
     ("torch_pjrt::copy", copy),
     ("aten::arange", arange),
     ("aten::linspace", linspace),
+    ("aten::eye", eye),
+    ("aten::channel_shuffle", channel_shuffle),
 ];
