@@ -7,11 +7,11 @@ use crate::exec::Program;
 
 #[derive(Default)]
 pub struct Cache {
-    map: Mutex<HashMap<String, Arc<Program>>>,
+    map: Mutex<HashMap<Vec<u8>, Arc<Program>>>,
 }
 
 impl Cache {
-    pub fn get(&self, key: &str) -> Option<Arc<Program>> {
+    pub fn get(&self, key: &[u8]) -> Option<Arc<Program>> {
         self.map
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -19,7 +19,7 @@ impl Cache {
             .cloned()
     }
 
-    pub fn insert(&self, key: String, p: Arc<Program>) {
+    pub fn insert(&self, key: Vec<u8>, p: Arc<Program>) {
         self.map
             .lock()
             .unwrap_or_else(|e| e.into_inner())

@@ -88,7 +88,7 @@ pub struct Deferred {
     /// and the callees' names are hashes of their ops' keys.
     programs: Mutex<HashMap<(usize, String), Arc<pjrt::Executable>>>,
     /// Op functions by the op's cache key (the same key Strict programs use).
-    fragments: Mutex<HashMap<String, Arc<Fragment>>>,
+    fragments: Mutex<HashMap<Vec<u8>, Arc<Fragment>>>,
     max_ops: usize,
 }
 
@@ -205,12 +205,10 @@ impl Sources for GraphSources<'_> {
             };
             return Ok(b.reshape(c, &t.view.sizes));
         }
-        self.inputs.push(Arc::new(self.rt.upload(
-            &bytes,
-            dtype,
-            &t.view.sizes,
-            self.device,
-        )?));
+        self.inputs.push(
+            self.rt
+                .upload_input(&bytes, dtype, &t.view.sizes, self.device)?,
+        );
         self.sources.push(Src::Host);
         Ok(b.param(TensorType::new(dtype, &t.view.sizes)))
     }
@@ -244,7 +242,7 @@ impl Runtime {
         };
         let name = {
             use sha2::{Digest, Sha256};
-            let h = Sha256::digest(k.as_bytes());
+            let h = Sha256::digest(&k);
             let hex: String = h[..12].iter().map(|x| format!("{x:02x}")).collect();
             format!("op_{hex}")
         };

@@ -5,7 +5,6 @@
 //! writes results into `out=`/`self` (through their views), and returns new tensors.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::sync::Arc;
 
 use lowering::promote::{can_cast, torch_name};
@@ -161,69 +160,87 @@ fn dt_name(d: Option<DType>) -> String {
     d.map(|d| format!("{d:?}")).unwrap_or_else(|| "?".into())
 }
 
-/// The cache key: everything the compiled program depends on, nothing it does not.
-pub(crate) fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> String {
-    let mut k = String::with_capacity(256);
-    let _ = write!(k, "{op}.{overload}@{device}");
-    let mut slots: Vec<*const Storage> = Vec::new();
-    fn arg(k: &mut String, a: &RArg, slots: &mut Vec<*const Storage>) {
+/// The cache key: everything the compiled program depends on, nothing it does not. Raw
+/// bytes (tag, then fixed-width little-endian fields), cheap to build on every op.
+pub(crate) fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> Vec<u8> {
+    fn num(k: &mut Vec<u8>, v: i64) {
+        k.extend_from_slice(&v.to_le_bytes());
+    }
+    fn text(k: &mut Vec<u8>, s: &str) {
+        num(k, s.len() as i64);
+        k.extend_from_slice(s.as_bytes());
+    }
+    fn ints(k: &mut Vec<u8>, v: &[i64]) {
+        num(k, v.len() as i64);
+        for x in v {
+            num(k, *x);
+        }
+    }
+    fn dt(k: &mut Vec<u8>, d: Option<DType>) {
+        k.push(d.map(|d| d as u8 + 1).unwrap_or(0));
+    }
+    fn arg(k: &mut Vec<u8>, a: &RArg, slots: &mut Vec<*const Storage>) {
         match a {
-            RArg::None => k.push('N'),
+            RArg::None => k.push(b'N'),
             RArg::Tensor(t) => {
-                let _ = write!(
-                    k,
-                    "T{}{:?}{:?}+{}n{}w{}",
-                    dt_name(t.dtype),
-                    t.view.sizes,
-                    t.view.strides,
-                    t.view.offset,
-                    t.nbytes,
-                    t.wrapped as u8
-                );
+                k.push(b'T');
+                dt(k, t.dtype);
+                ints(k, &t.view.sizes);
+                ints(k, &t.view.strides);
+                num(k, t.view.offset);
+                num(k, t.nbytes);
+                k.push(t.wrapped as u8);
                 match t.loc {
-                    Loc::Host(_) => k.push('h'),
+                    Loc::Host(_) => k.push(b'h'),
                     Loc::Device(p) => {
                         let s = slots.iter().position(|q| *q == p).unwrap_or_else(|| {
                             slots.push(p);
                             slots.len() - 1
                         });
-                        let _ = write!(k, "s{s}d{}", t.device);
+                        k.push(b's');
+                        num(k, s as i64);
+                        num(k, t.device as i64);
                     }
                 }
             }
             RArg::Int(i) => {
-                let _ = write!(k, "i{i}");
+                k.push(b'i');
+                num(k, *i);
             }
             RArg::Float(f) => {
-                let _ = write!(k, "f{:x}", f.to_bits());
+                k.push(b'f');
+                k.extend_from_slice(&f.to_bits().to_le_bytes());
             }
-            RArg::Bool(b) => {
-                let _ = write!(k, "b{}", *b as u8);
-            }
+            RArg::Bool(b) => k.extend_from_slice(&[b'b', *b as u8]),
             RArg::Str(s) => {
-                let _ = write!(k, "s'{s}'");
+                k.push(b'S');
+                text(k, s);
             }
             RArg::ScalarType(d) => {
-                let _ = write!(k, "d{}", dt_name(*d));
+                k.push(b'd');
+                dt(k, *d);
             }
             RArg::List(items) => {
-                k.push('[');
+                k.push(b'[');
+                num(k, items.len() as i64);
                 for a in items {
                     arg(k, a, slots);
-                    k.push(',');
                 }
-                k.push(']');
             }
-            RArg::Generator(_) => k.push('G'),
+            RArg::Generator(_) => k.push(b'G'),
             RArg::Other(s) => {
-                let _ = write!(k, "o{s}");
+                k.push(b'o');
+                text(k, s);
             }
         }
     }
+    let mut k = Vec::with_capacity(256);
+    text(&mut k, op);
+    text(&mut k, overload);
+    num(&mut k, device as i64);
+    let mut slots: Vec<*const Storage> = Vec::new();
     for p in params {
-        k.push('|');
-        k.push_str(&p.name);
-        k.push(':');
+        text(&mut k, &p.name);
         arg(&mut k, &p.arg, &mut slots);
     }
     k
@@ -657,8 +674,7 @@ pub(crate) fn lower_into(
                     && u.view == t.view
                     && matches!((u.loc, t.loc), (Loc::Device(a), Loc::Device(b)) if a == b)
             };
-            if params[path.0].is_out && path.1.is_none() && !tensors(params).iter().any(is_input)
-            {
+            if params[path.0].is_out && path.1.is_none() && !tensors(params).iter().any(is_input) {
                 resize.push((path.0, vt.shape.clone()));
                 continue;
             }
@@ -936,12 +952,12 @@ fn execute_async(
                 // SAFETY: PyTorch keeps the CPU tensor alive during the call and its view is
                 // inside its storage.
                 let bytes = unsafe { host::read(p, &t.view, dtype.size()) };
-                inputs.push(JobIn::Buf(Arc::new(rt.upload(
+                inputs.push(JobIn::Buf(rt.upload_input(
                     &bytes,
                     *dtype,
                     &t.view.sizes,
                     device,
-                )?)));
+                )?));
             }
             Input::Rng { path } => {
                 let state = path.and_then(|p| match params[p.0].arg {
@@ -1013,21 +1029,10 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
                 let Loc::Host(p) = t.loc else {
                     unreachable!("host input")
                 };
-                let contiguous = View {
-                    sizes: t.view.sizes.clone(),
-                    strides: lowering::shape::contiguous_strides(&t.view.sizes),
-                    offset: 0,
-                };
-                let _ = contiguous;
                 // SAFETY: PyTorch keeps the CPU tensor alive during the call and its view is
                 // inside its storage.
                 let bytes = unsafe { host::read(p, &t.view, dtype.size()) };
-                bufs.push(Arc::new(rt.upload(
-                    &bytes,
-                    *dtype,
-                    &t.view.sizes,
-                    device,
-                )?));
+                bufs.push(rt.upload_input(&bytes, *dtype, &t.view.sizes, device)?);
             }
             Input::Rng { path } => {
                 let state = path.and_then(|p| match params[p.0].arg {

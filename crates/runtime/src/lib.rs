@@ -150,6 +150,9 @@ pub struct Runtime {
     pub defer: defer::Deferred,
     /// Strict mode's executor thread.
     pub worker: worker::Worker,
+    /// Recently uploaded 0-d host inputs (Python scalars), by (device, dtype, bits): buffers
+    /// are immutable, so ops passing the same scalar share one upload.
+    scalars: Mutex<std::collections::HashMap<(usize, DType, u64), Arc<pjrt::Buffer>>>,
     /// Output buffers (and the op that made them) not yet known to be complete.
     pending: Mutex<Vec<(String, Arc<pjrt::Buffer>)>>,
 }
@@ -183,6 +186,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         metrics: metrics::Metrics::default(),
         defer: defer::Deferred::new(devices),
         worker: worker::Worker::default(),
+        scalars: Mutex::new(std::collections::HashMap::new()),
         pending: Mutex::new(Vec::new()),
     };
     mode::store(mode::from_env());
@@ -213,6 +217,37 @@ impl Runtime {
         Ok(self
             .client
             .buffer_from_host(bytes, dtype_to_pjrt(dtype), dims, device)?)
+    }
+
+    /// A host tensor's contiguous bytes as a device buffer; scalars come from a small cache.
+    pub(crate) fn upload_input(
+        &self,
+        bytes: &[u8],
+        dtype: DType,
+        dims: &[i64],
+        device: usize,
+    ) -> Result<Arc<pjrt::Buffer>> {
+        if !dims.is_empty() || bytes.len() > 8 {
+            return Ok(Arc::new(self.upload(bytes, dtype, dims, device)?));
+        }
+        let mut word = [0u8; 8];
+        word[..bytes.len()].copy_from_slice(bytes);
+        let k = (device, dtype, u64::from_le_bytes(word));
+        if let Some(b) = self
+            .scalars
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&k)
+        {
+            return Ok(b.clone());
+        }
+        let b = Arc::new(self.upload(bytes, dtype, dims, device)?);
+        let mut m = self.scalars.lock().unwrap_or_else(|e| e.into_inner());
+        if m.len() >= 1024 {
+            m.clear();
+        }
+        m.insert(k, b.clone());
+        Ok(b)
     }
 
     pub fn download(&self, buf: &pjrt::Buffer) -> Result<Vec<u8>> {

@@ -134,7 +134,7 @@ impl Worker {
     fn next_job(&self) -> (u64, Job) {
         // Spin briefly before sleeping: the Python thread usually queues the next op within
         // microseconds, and a futex wake-up costs more than that.
-        for _ in 0..20_000 {
+        for _ in 0..1_000 {
             if let Ok(mut st) = self.state.try_lock() {
                 if let Some(j) = st.jobs.pop_front() {
                     return j;
