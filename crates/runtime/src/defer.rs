@@ -53,6 +53,8 @@ pub(crate) struct Fragment {
     inputs: Vec<Input>,
     outputs: Vec<Output>,
     result_types: Vec<TensorType>,
+    /// The call's type signature, printed once.
+    signature: String,
     rets: Vec<RetShape>,
     rng_consumed: u64,
 }
@@ -246,9 +248,14 @@ impl Runtime {
             let hex: String = h[..12].iter().map(|x| format!("{x:02x}")).collect();
             format!("op_{hex}")
         };
+        let result_types: Vec<TensorType> = p.results.iter().map(|v| p.b.ty(*v).clone()).collect();
+        let param_types: Vec<TensorType> = (0..p.inputs.len())
+            .map(|i| p.b.param_type(i).clone())
+            .collect();
         let f = Arc::new(Fragment {
             text: p.b.func_text(&name, &p.results),
-            result_types: p.results.iter().map(|v| p.b.ty(*v).clone()).collect(),
+            signature: Builder::call_signature(&param_types, &result_types),
+            result_types,
             name,
             inputs: p.inputs,
             outputs: p.outputs,
@@ -338,7 +345,7 @@ impl Runtime {
                 return Err(e);
             }
         };
-        let outs = b.call(&frag.name, &args, &frag.result_types);
+        let outs = b.call_with_signature(&frag.name, &args, &frag.result_types, &frag.signature);
         let id = Arc::as_ptr(&frag) as usize;
         if called.insert(id) {
             funcs.push(frag.clone());

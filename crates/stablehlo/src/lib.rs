@@ -254,6 +254,11 @@ impl Builder {
         self.aliases.push((param, output));
     }
 
+    /// The type of the `i`-th parameter.
+    pub fn param_type(&self, i: usize) -> &TensorType {
+        self.ty(self.params[i])
+    }
+
     /// Position of `v` among the parameters.
     pub fn param_index(&self, v: Value) -> Option<usize> {
         self.params.iter().position(|p| *p == v)
@@ -344,13 +349,46 @@ impl Builder {
 
     /// Emits a call of a function printed by `func_text` (one of `extra` at `finish_with`).
     pub fn call(&mut self, callee: &str, operands: &[Value], results: &[TensorType]) -> Vec<Value> {
-        self.op_regions(
-            "func.call",
-            operands,
-            &[],
-            &format!("callee = @{callee}"),
+        let sig = Self::call_signature(
+            &operands
+                .iter()
+                .map(|v| self.ty(*v).clone())
+                .collect::<Vec<_>>(),
             results,
-        )
+        );
+        self.call_with_signature(callee, operands, results, &sig)
+    }
+
+    /// The `(operand types) -> (result types)` text of a call, to print once per callee.
+    pub fn call_signature(operands: &[TensorType], results: &[TensorType]) -> String {
+        let ins: Vec<String> = operands.iter().map(|t| t.mlir()).collect();
+        let outs: Vec<String> = results.iter().map(|t| t.mlir()).collect();
+        format!("({}) -> ({})", ins.join(", "), outs.join(", "))
+    }
+
+    /// `call` with a signature from `call_signature` (operands must have those types).
+    pub fn call_with_signature(
+        &mut self,
+        callee: &str,
+        operands: &[Value],
+        results: &[TensorType],
+        sig: &str,
+    ) -> Vec<Value> {
+        let outs: Vec<Value> = results.iter().map(|t| self.fresh(t.clone())).collect();
+        let body = self.bodies.last_mut().expect("builder has a body");
+        body.push_str("    ");
+        for (i, v) in outs.iter().enumerate() {
+            let _ = write!(body, "{}%v{}", if i > 0 { ", " } else { "" }, v.0);
+        }
+        if !outs.is_empty() {
+            body.push_str(" = ");
+        }
+        body.push_str("\"func.call\"(");
+        for (i, v) in operands.iter().enumerate() {
+            let _ = write!(body, "{}%v{}", if i > 0 { ", " } else { "" }, v.0);
+        }
+        let _ = writeln!(body, ") {{callee = @{callee}}} : {sig}");
+        outs
     }
 
     fn func(&self, header: &str, outputs: &[Value]) -> String {
