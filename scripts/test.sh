@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Sets up (see setup.sh) and runs every test: the Rust crates, then the Python suite once per
 # eager mode (Strict, Debug, DeferAndFuse; TORCH_PJRT_TEST_MODES="strict" runs one). The
-# OpInfo dtype sweeps (marker `slow`) run in Strict only: they test lowerings, which all
-# modes share. Each test file runs in its own process, so one file's compiled programs and
+# OpInfo dtype sweeps (marker `slow`) run in Strict only, and Debug/DeferAndFuse take the
+# first 3 samples of each OpInfo instead of 8: they test lowerings, which all modes share,
+# and each DeferAndFuse sample compiles its own fused program. Each test file runs in its own process, so one file's compiled programs and
 # caches do not accumulate into the next. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,10 @@ status=0
 for mode in ${TORCH_PJRT_TEST_MODES:-strict debug defer_and_fuse}; do
   case $mode in
     strict) env=(TORCH_TPU_LAUNCH_BLOCKING=0 TORCH_TPU_DEFER_AND_FUSE=0); sel=() ;;
-    debug) env=(TORCH_TPU_LAUNCH_BLOCKING=1 TORCH_TPU_DEFER_AND_FUSE=0); sel=(-m "not slow") ;;
-    defer_and_fuse) env=(TORCH_TPU_LAUNCH_BLOCKING=0 TORCH_TPU_DEFER_AND_FUSE=1); sel=(-m "not slow") ;;
+    debug) env=(TORCH_TPU_LAUNCH_BLOCKING=1 TORCH_TPU_DEFER_AND_FUSE=0
+                TORCH_PJRT_OPINFO_SAMPLES=3); sel=(-m "not slow") ;;
+    defer_and_fuse) env=(TORCH_TPU_LAUNCH_BLOCKING=0 TORCH_TPU_DEFER_AND_FUSE=1
+                         TORCH_PJRT_OPINFO_SAMPLES=3); sel=(-m "not slow") ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
   for f in tests/test_*.py; do
