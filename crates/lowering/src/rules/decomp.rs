@@ -29,7 +29,7 @@ fn is_half(d: DType) -> bool {
     matches!(d, DType::F16 | DType::BF16)
 }
 
-fn need_matrix(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
+pub(super) fn need_matrix(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
     if shape.len() < 2 {
         return user_err(
             ErrorKind::Runtime,
@@ -39,7 +39,8 @@ fn need_matrix(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
     Ok(())
 }
 
-fn need_square(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
+/// Checks a batch of square matrices for `op` ("linalg.cholesky", ...), named `what`.
+pub(super) fn need_square(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
     need_matrix(op, what, shape)?;
     let (m, n) = (shape[shape.len() - 2], shape[shape.len() - 1]);
     if m != n {
@@ -54,7 +55,7 @@ fn need_square(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
 }
 
 /// The linalg frontends' dtype check (half types are left to `need_kernel`/`no_half`).
-fn need_float(op: &str, d: DType) -> LResult<()> {
+pub(super) fn need_float(op: &str, d: DType) -> LResult<()> {
     if !d.is_float() {
         return user_err(
             ErrorKind::NotImplemented,

@@ -8,6 +8,7 @@
 
 use stablehlo::{CmpDir, ReduceKind};
 
+use super::decomp::{need_float, need_square as check_square};
 use super::reduce::{reduce_keep, scan};
 use crate::args::Scalar;
 use crate::promote::{promote_types, result_type, torch_name, Operand};
@@ -1114,36 +1115,10 @@ fn tril_triu(c: &mut Ctx, lower: bool) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.select(mask, t.value, z))])
 }
 
-/// Checks a batch of square matrices for `op` ("linalg.cholesky", ...), named `what`.
-fn check_square(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
-    if shape.len() < 2 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!("{op}: The input tensor {what} must have at least 2 dimensions."),
-        );
-    }
-    let (m, n) = (shape[shape.len() - 2], shape[shape.len() - 1]);
-    if m != n {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "{op}: {what} must be batches of square matrices, but they are {m} by {n} matrices"
-            ),
-        );
-    }
-    Ok(())
-}
-
+/// The LAPACK-backed ops' dtype check: floating point, and no half types (the CPU has no
+/// half kernels for them).
 fn check_float(op: &str, d: DType) -> LResult<()> {
-    if !d.is_float() {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "{op}: Expected a floating point or complex tensor as input. Got {}",
-                torch_name(d)
-            ),
-        );
-    }
+    need_float(op, d)?;
     if is_half(d) {
         return decline("LAPACK ops reject half types");
     }
