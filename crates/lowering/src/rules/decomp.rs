@@ -494,13 +494,15 @@ fn perm_sign(b: &mut Builder, piv: Value, dtype: DType) -> Value {
     b.add(one, odd)
 }
 
-fn lu_factor_ex(c: &mut Ctx) -> LResult<Vec<Out>> {
+/// The checks `lu_factor` and `lu` share: a batch of matrices, a CPU kernel for the dtype,
+/// partial pivoting.
+fn lu_input(c: &mut Ctx, op: &str) -> LResult<TensorArg> {
     let a = tensor(c, "A")?;
     if a.shape.len() < 2 {
         return user_err(
             ErrorKind::Runtime,
             format!(
-                "torch.lu_factor: Expected tensor with 2 or more dimensions. Got size: {} instead",
+                "{op}: Expected tensor with 2 or more dimensions. Got size: {} instead",
                 shape_str(&a.shape)
             ),
         );
@@ -512,6 +514,11 @@ fn lu_factor_ex(c: &mut Ctx) -> LResult<Vec<Out>> {
             "linalg.lu_factor: LU without pivoting is not implemented on the CPU",
         );
     }
+    Ok(a)
+}
+
+fn lu_factor_ex(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = lu_input(c, "torch.lu_factor")?;
     if c.args.bool_or("check_errors", false) {
         return decline("check_errors reads the info on the host");
     }
@@ -520,23 +527,7 @@ fn lu_factor_ex(c: &mut Ctx) -> LResult<Vec<Out>> {
 }
 
 fn linalg_lu(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let a = tensor(c, "A")?;
-    if a.shape.len() < 2 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "linalg.lu: Expected tensor with 2 or more dimensions. Got size: {} instead",
-                shape_str(&a.shape)
-            ),
-        );
-    }
-    need_kernel("lu_cpu", a.dtype)?;
-    if !c.args.bool_or("pivot", true) {
-        return user_err(
-            ErrorKind::Runtime,
-            "linalg.lu_factor: LU without pivoting is not implemented on the CPU",
-        );
-    }
+    let a = lu_input(c, "linalg.lu")?;
     let b = &mut *c.b;
     let (lu, _, _, perm) = lu_factor(b, a.value);
     let p = perm_matrix(b, perm, a.dtype);
