@@ -382,9 +382,7 @@ DETERMINISTIC_FACTORIES = {
 
 
 # Factories that still run on the CPU fallback: {name: reason}.
-FACTORY_FALLBACKS = {
-    "eye": "aten::eye has no lowering (falls back)",
-}
+FACTORY_FALLBACKS = {}
 
 
 @pytest.mark.parametrize("dtype", [None, torch.float32, torch.int64, torch.bfloat16, torch.int32])

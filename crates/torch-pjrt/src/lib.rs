@@ -137,7 +137,9 @@ fn rng_state(device: i32) -> PyResult<(i64, i64)> {
     // freed), or null for an index out of range.
     let p = unsafe { tpu_shim_generator_state(device) };
     if p.is_null() {
-        return Err(PyRuntimeError::new_err(format!("invalid tpu device {device}")));
+        return Err(PyRuntimeError::new_err(format!(
+            "invalid tpu device {device}"
+        )));
     }
     // SAFETY: `p` points at two i64 (see above).
     Ok(unsafe { (*p, *p.add(1)) })
@@ -149,7 +151,9 @@ fn set_rng_state(device: i32, seed: i64, offset: i64) -> PyResult<()> {
     // SAFETY: as in `rng_state`.
     let p = unsafe { tpu_shim_generator_state(device) };
     if p.is_null() {
-        return Err(PyRuntimeError::new_err(format!("invalid tpu device {device}")));
+        return Err(PyRuntimeError::new_err(format!(
+            "invalid tpu device {device}"
+        )));
     }
     // SAFETY: `p` points at two i64; ops read them on the Python thread only.
     unsafe {

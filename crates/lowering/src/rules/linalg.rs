@@ -221,6 +221,12 @@ fn matrix_exp(c: &mut Ctx) -> LResult<Vec<Out>> {
     }
     let dt = t.dtype;
     let cd = opmath(dt);
+    if n == 1 {
+        // 1 x 1 matrices take the scalar exp, as the CPU kernel does.
+        let x = c.b.convert(t.value, cd);
+        let e = c.b.exp(x);
+        return Ok(vec![Out::T(c.b.convert(e, dt))]);
+    }
     // The 1-norm below which the polynomial is exact to the dtype (PyTorch's degree-18
     // bounds for float and double).
     let theta = if cd == crate::DType::F64 {

@@ -1,8 +1,10 @@
-//! nn rules: normalization, losses, convolution, pooling, dropout, padding, upsampling and
-//! the activations of torch.nn, forward and backward.
+//! nn rules: normalization, losses, convolution, pooling, sliding windows (im2col),
+//! dropout, padding, upsampling, grid sampling and the activations of torch.nn, forward
+//! and backward.
 //!
 //! Reduced-precision floats (f16/bf16) compute in f32 and round once at the end, as
-//! PyTorch's CPU kernels do with their opmath type.
+//! PyTorch's CPU kernels do with their opmath type; where a CPU kernel computes in the
+//! narrow type itself (upsampling weights, grid sampling), the rule rounds the same way.
 
 use super::promote;
 use crate::promote::torch_name;
@@ -3372,7 +3374,6 @@ fn scale_names(n: usize) -> &'static [&'static str] {
 
 /// (output size, scales) of an upsample call with `n` spatial dims, from either
 /// overload, with PyTorch's checks.
-#[allow(clippy::type_complexity)]
 fn up_args(c: &Ctx, x: &TensorArg, n: usize) -> LResult<(Vec<i64>, Vec<Option<f64>>)> {
     let r = x.shape.len();
     let sf = match c.args.get("scale_factors") {
@@ -4015,7 +4016,7 @@ fn grid_sampler_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
             let gvv = b.mul(gv, v);
             let gvv = b.select(okb, gvv, z);
             let gvv = b.reduce(gvv, &[2], ReduceKind::Sum);
-            for i in 0..n {
+            for (i, acc) in ggrid.iter_mut().enumerate() {
                 let mut d = cb.taps[i].dw;
                 for (j, t) in cb.taps.iter().enumerate() {
                     if j != i {
@@ -4023,7 +4024,7 @@ fn grid_sampler_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
                     }
                 }
                 let term = b.mul(gvv, d);
-                ggrid[i] = b.add(ggrid[i], term);
+                *acc = b.add(*acc, term);
             }
         }
     }
@@ -4386,6 +4387,13 @@ mod tests {
         assert_eq!(window_taps(2, 3, 2, 1), vec![0, 1, 2, 2, 3, 4]);
         let (k, idx, w) = sparse_rows(&[vec![0.0, 0.5, 0.5], vec![1.0, 0.0, 0.0]]);
         assert_eq!((k, idx, w), (2, vec![1, 2, 0, 0], vec![0.5, 0.5, 1.0, 0.0]));
+        // bf16 keeps 8 significant bits, f16 11; ties go to even.
+        assert_eq!(round_to(1.0 / 3.0, DType::BF16), 0.333984375);
+        assert_eq!(round_to(1.0 + 2f64.powi(-11), DType::F16), 1.0);
+        assert_eq!(
+            round_to(1.0 + 3.0 * 2f64.powi(-11), DType::F16),
+            1.0 + 2f64.powi(-9)
+        );
     }
 
     #[test]

@@ -579,7 +579,8 @@ fn equal(c: &mut Ctx) -> LResult<Vec<Out>> {
     let y = c.b.convert(o.value, dt);
     let eq = c.b.compare(x, y, CmpDir::Eq);
     let dims: Vec<i64> = (0..a.shape.len() as i64).collect();
-    Ok(vec![Out::T(c.b.reduce(eq, &dims, stablehlo::ReduceKind::And))])
+    let all = c.b.reduce(eq, &dims, stablehlo::ReduceKind::And);
+    Ok(vec![Out::T(all)])
 }
 
 pub const RULES: &[(&str, Rule)] = &[

@@ -356,7 +356,9 @@ fn channel_shuffle(c: &mut Ctx) -> LResult<Vec<Out>> {
     if ch % g != 0 {
         return user_err(
             ErrorKind::Runtime,
-            format!("Number of channels must be divisible by groups. Got {ch} channels and {g} groups."),
+            format!(
+                "Number of channels must be divisible by groups. Got {ch} channels and {g} groups."
+            ),
         );
     }
     let mut split = vec![t.shape[0], g, ch / g];
