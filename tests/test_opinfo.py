@@ -26,6 +26,7 @@ lowering must then do the same), with the OpInfo's tolerances for that dtype, ea
 least assert_close's default for the dtype.
 """
 
+import os
 import re
 import warnings
 from pathlib import Path
@@ -131,6 +132,12 @@ def lookup(name, dtype, direction):
 # ---------------------------------------------------------------------------
 
 
+# The expected failures were recorded with the default 8 samples per op; a run with fewer
+# samples (scripts/test.sh in Debug/DeferAndFuse) may miss the failing sample, so there an
+# unexpected pass is not an error.
+STRICT = int(os.environ.get("TORCH_PJRT_OPINFO_SAMPLES", "8")) >= 8
+
+
 def _cases():
     for name, op in OPS.items():
         supported = op.supported_dtypes("cpu")
@@ -153,7 +160,7 @@ def _cases():
                     if kind == "skip":
                         marks.append(pytest.mark.skip(reason=reason))
                     else:
-                        marks.append(pytest.mark.xfail(reason=reason, strict=True))
+                        marks.append(pytest.mark.xfail(reason=reason, strict=STRICT))
                 yield pytest.param(name, dname, direction, marks=marks,
                                    id=f"{name}-{dname}-{direction}")
 
