@@ -3,8 +3,12 @@
 # eager mode (Strict, Debug, DeferAndFuse; TORCH_PJRT_TEST_MODES="strict" runs one). The
 # OpInfo dtype sweeps (marker `slow`) run in Strict only, and Debug/DeferAndFuse take the
 # first 3 samples of each OpInfo instead of 8: they test lowerings, which all modes share,
-# and each DeferAndFuse sample compiles its own fused program. Each test file runs in its own process, so one file's compiled programs and
-# caches do not accumulate into the next. Extra arguments go to pytest.
+# and each DeferAndFuse sample compiles its own fused program. Extra arguments go to pytest.
+#
+# Each test file (and each OpInfo dtype group) runs in its own process, so one file's compiled
+# programs do not accumulate into the next (XLA:CPU fails after several thousand programs in
+# one process, see ARCHITECTURE.md); TORCH_PJRT_TEST_JOBS processes (default: the number of
+# cores) run at once, each logging to its own file, printed in order at the end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -12,7 +16,26 @@ cd "$(dirname "$0")/.."
 source .venv/bin/activate
 export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
 cargo test -q -p pjrt -p stablehlo -p lowering -p runtime
-status=0
+
+logs=$(mktemp -d)
+trap 'rm -rf "$logs"' EXIT
+names=()
+n=0
+par=${TORCH_PJRT_TEST_JOBS:-$(nproc)}
+
+# job NAME ENV... -- PYTEST-ARGS...: runs in the background once a slot is free.
+job() {
+  local name=$1; shift
+  local env=()
+  while [[ $1 != -- ]]; do env+=("$1"); shift; done
+  shift
+  while (( $(jobs -rp | wc -l) >= par )); do wait -n || true; done
+  names[n]=$name
+  (env "${env[@]}" python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1
+   echo $? > "$logs/$n.rc") &
+  n=$((n + 1))
+}
+
 for mode in ${TORCH_PJRT_TEST_MODES:-strict debug defer_and_fuse}; do
   case $mode in
     strict) env=(TORCH_TPU_LAUNCH_BLOCKING=0 TORCH_TPU_DEFER_AND_FUSE=0); sel=() ;;
@@ -22,21 +45,31 @@ for mode in ${TORCH_PJRT_TEST_MODES:-strict debug defer_and_fuse}; do
                          TORCH_PJRT_OPINFO_SAMPLES=3); sel=(-m "not slow") ;;
     *) echo "unknown mode $mode"; exit 2 ;;
   esac
+  # The OpInfo runs first: they are the longest.
+  if (( ${#sel[@]} == 0 )); then
+    job "[$mode] tests/test_opinfo.py float32" "${env[@]}" -- -m "not slow" tests/test_opinfo.py "$@"
+    job "[$mode] tests/test_opinfo.py int64/int32/bool" "${env[@]}" -- \
+      -m slow -k "not (bfloat16 or float16)" tests/test_opinfo.py "$@"
+    job "[$mode] tests/test_opinfo.py bfloat16/float16" "${env[@]}" -- \
+      -m slow -k "bfloat16 or float16" tests/test_opinfo.py "$@"
+  else
+    job "[$mode] tests/test_opinfo.py" "${env[@]}" -- "${sel[@]}" tests/test_opinfo.py "$@"
+  fi
   for f in tests/test_*.py; do
-    if [[ $f == tests/test_opinfo.py && ${#sel[@]} -eq 0 ]]; then
-      # One process per dtype group: XLA:CPU fails after several thousand programs
-      # compiled in one process (see ARCHITECTURE.md, known limits).
-      for group in "not slow" "slow:not (bfloat16 or float16)" "slow:bfloat16 or float16"; do
-        marker=${group%%:*}
-        ids=(); [[ $group == *:* ]] && ids=(-k "${group#*:}")
-        echo "== [$mode] $f -m '$marker' ${ids[*]}"
-        env "${env[@]}" python -m pytest -q -p no:cacheprovider -m "$marker" "${ids[@]}" "$f" "$@" \
-          || status=1
-      done
-      continue
-    fi
-    echo "== [$mode] $f"
-    env "${env[@]}" python -m pytest -q -p no:cacheprovider "${sel[@]}" "$f" "$@" || status=1
+    [[ $f == tests/test_opinfo.py ]] && continue
+    job "[$mode] $f" "${env[@]}" -- "${sel[@]}" "$f" "$@"
   done
+done
+wait
+
+status=0
+for ((i = 0; i < n; i++)); do
+  echo "== ${names[i]}"
+  cat "$logs/$i.log"
+  rc=$(cat "$logs/$i.rc" 2>/dev/null || echo 1)
+  if [[ $rc != 0 ]]; then
+    echo "!! ${names[i]}: exit status $rc"
+    status=1
+  fi
 done
 exit $status

@@ -248,8 +248,11 @@ def _this_run():
 
 
 def pytest_sessionfinish(session):
-    """Merges this run's OpInfo outcomes into OPINFO_JSON (runs of single files accumulate)."""
-    if not _OPINFO_RESULTS:
+    """Merges this run's OpInfo outcomes into OPINFO_JSON (runs of single files accumulate).
+
+    Only runs with the default 8 samples per op are recorded (the pass rates are quoted for
+    those); concurrent runs may overwrite each other's merge (last writer wins)."""
+    if not _OPINFO_RESULTS or session.config.getoption("--opinfo-samples") < 8:
         return
     tests = {}
     try:
@@ -270,7 +273,7 @@ def pytest_sessionfinish(session):
            "samples": session.config.getoption("--opinfo-samples"),
            "results": results}
     OPINFO_JSON.parent.mkdir(exist_ok=True)
-    tmp = OPINFO_JSON.with_suffix(".tmp")
+    tmp = OPINFO_JSON.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(doc, indent=1) + "\n")
     tmp.replace(OPINFO_JSON)
 
