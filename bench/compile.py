@@ -47,41 +47,6 @@ CONFIGS = {
 EAGER_TPU = ("tpu Strict", "tpu DeferAndFuse")
 
 
-def cnn(channels=16, classes=10):
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    class Block(nn.Module):
-        def __init__(self, c):
-            super().__init__()
-            self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-            self.bn1 = nn.BatchNorm2d(c)
-            self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-            self.bn2 = nn.BatchNorm2d(c)
-
-        def forward(self, x):
-            y = F.relu(self.bn1(self.conv1(x)))
-            return F.relu(x + self.bn2(self.conv2(y)))
-
-    class CNN(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.stem = nn.Sequential(
-                nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
-            )
-            self.blocks = nn.Sequential(Block(channels), Block(channels))
-            self.fc = nn.Linear(channels, classes)
-
-        def forward(self, x):
-            x = self.blocks(self.stem(x))
-            return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
-
-        def loss(self, x, y):
-            return F.cross_entropy(self(x), y)
-
-    return CNN()
-
-
 def build(model_name, device, how):
     """A function running one training step on `device` and returning the loss (a float)."""
     import torch
@@ -97,7 +62,7 @@ def build(model_name, device, how):
         y = torch.randint(0, vocab, (batch, seq))
         make_opt = lambda p: torch.optim.AdamW(p, lr=1e-3)  # noqa: E731
     else:
-        model = cnn()
+        model = models.CNN(16, 10)
         x = torch.randn(8, 3, 32, 32)
         y = torch.randint(0, 10, (8,))
         make_opt = lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)  # noqa: E731

@@ -28,6 +28,41 @@ def _example():
 GPT = _example().GPT
 
 
+class ResBlock(nn.Module):
+    """conv-bn-relu-conv-bn with an identity shortcut."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+class CNN(nn.Module):
+    """ResNet-style: conv-bn-relu stem (optionally max-pooled), 2 residual blocks, global
+    average pool, linear head."""
+
+    def __init__(self, channels=16, classes=10, pool=False):
+        super().__init__()
+        stem = [nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels),
+                nn.ReLU()]
+        self.stem = nn.Sequential(*stem, *([nn.MaxPool2d(2)] if pool else []))
+        self.blocks = nn.Sequential(ResBlock(channels), ResBlock(channels))
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x):
+        x = self.blocks(self.stem(x))
+        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+
+    def loss(self, x, y):
+        return F.cross_entropy(self(x), y)
+
+
 def mlp():
     return nn.Sequential(
         nn.Linear(784, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 10)

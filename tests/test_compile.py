@@ -74,29 +74,7 @@ class MLP(nn.Module):
         return self.net(x)
 
 
-class ResBlock(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(x + self.bn2(self.conv2(y)))
-
-
-class CNN(nn.Module):
-    def __init__(self, c=8, classes=10):
-        super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU())
-        self.blocks = nn.Sequential(ResBlock(c), ResBlock(c))
-        self.fc = nn.Linear(c, classes)
-
-    def forward(self, x):
-        x = self.blocks(self.stem(x))
-        return self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1))
+CNN = models.CNN
 
 
 VOCAB, SEQ = 32, 16
@@ -115,7 +93,7 @@ def make(name, seed=0):
         x = torch.randn(16, 784, generator=g)
         y = torch.randint(0, 10, (16,), generator=g)
     elif name.startswith("cnn"):
-        model = CNN()
+        model = CNN(8)
         if name == "cnn_eval":
             # Non-trivial running statistics for eval mode.
             with torch.no_grad():

@@ -12,6 +12,8 @@ training (after the model is built and moved) must not use the CPU fallback.
 import copy
 import functools
 import math
+import os
+import sys
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ import torch.nn.functional as F
 from conftest import fallbacks
 
 import torch_pjrt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import models  # noqa: E402
 
 STEPS = 20
 
@@ -82,30 +87,13 @@ class GPT(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-class ResBlock(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c)
-        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c)
-
-    def forward(self, x):
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(x + self.bn2(self.conv2(y)))
-
-
 class CNN(nn.Module):
-    def __init__(self, c=16, classes=10):
+    def __init__(self):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, c, 3, padding=1, bias=False), nn.BatchNorm2d(c),
-                                  nn.ReLU(), nn.MaxPool2d(2))
-        self.blocks = nn.Sequential(ResBlock(c), ResBlock(c))
-        self.fc = nn.Linear(c, classes)
+        self.net = models.CNN(16, pool=True)
 
     def forward(self, x, y):
-        x = self.blocks(self.stem(x))
-        return F.cross_entropy(self.fc(F.adaptive_avg_pool2d(x, 1).flatten(1)), y)
+        return self.net.loss(x, y)
 
 
 MODELS = {"mlp": MLP, "gpt": GPT, "cnn": CNN}
