@@ -74,6 +74,8 @@ def test_recorded_run_is_merged_and_read(tmp_path, monkeypatch, request, capsys)
     """conftest's session hook merges runs into the JSON that coverage reads."""
     path = tmp_path / "cov" / "opinfo.json"
     monkeypatch.setattr(conftest, "OPINFO_JSON", path)
+    # Runs are recorded at the default sample count (the suite may run with fewer).
+    monkeypatch.setattr(request.config.option, "opinfo_samples", 8)
     run1 = {"a": ("abs", "bfloat16", "forward", "passed", []),
             "b": ("sin", "bfloat16", "forward", "failed", None)}
     run2 = {"c": ("sin", "bfloat16", "forward", "passed", ["aten::sin"]),
