@@ -246,3 +246,15 @@ impl Args {
         }
     }
 }
+
+/// Unit tests of rules: a fresh builder parameter as a tensor argument.
+#[cfg(test)]
+pub(crate) fn param_arg(b: &mut crate::Builder, dt: DType, shape: &[i64]) -> Arg {
+    let value = b.param(stablehlo::TensorType::new(dt, shape));
+    Arg::Tensor(TensorArg {
+        value,
+        dtype: dt,
+        shape: shape.to_vec(),
+        wrapped_number: false,
+    })
+}

@@ -1323,15 +1323,7 @@ mod tests {
     use super::*;
     use crate::{Arg, Args, LowerError};
 
-    fn tensor(b: &mut Builder, dt: DType, shape: &[i64]) -> Arg {
-        let value = b.param(TensorType::new(dt, shape));
-        Arg::Tensor(TensorArg {
-            value,
-            dtype: dt,
-            shape: shape.to_vec(),
-            wrapped_number: false,
-        })
-    }
+    use crate::args::param_arg as tensor;
 
     /// Runs `rule`: the shapes of its results and the printed module.
     fn run(

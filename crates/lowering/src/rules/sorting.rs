@@ -2003,17 +2003,9 @@ pub const RULES: &[(&str, Rule)] = &[
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{Arg, Args, LowerError, TensorType};
+    use crate::{Arg, Args, LowerError};
 
-    fn tensor(b: &mut Builder, dt: DType, shape: &[i64]) -> Arg {
-        let value = b.param(TensorType::new(dt, shape));
-        Arg::Tensor(TensorArg {
-            value,
-            dtype: dt,
-            shape: shape.to_vec(),
-            wrapped_number: false,
-        })
-    }
+    use crate::args::param_arg as tensor;
 
     /// Runs `rule` and returns the shapes of its tensor results.
     fn shapes(rule: Rule, items: Vec<(&str, Arg)>, b: &mut Builder) -> LResult<Vec<Vec<i64>>> {
