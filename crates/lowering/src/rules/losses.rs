@@ -106,6 +106,34 @@ fn scalar_of(b: &mut Builder, v: Value) -> Value {
 // multi_margin_loss
 // ---------------------------------------------------------------------------------------
 
+/// Scales the [n, d] input gradient `gi` of a margin loss by its output gradient `g`:
+/// per frame (reduction none) or one scalar; mean divides by n (loss_grad), every loss by d.
+fn scale_by_grad(
+    b: &mut Builder,
+    g: &TensorArg,
+    x: &TensorArg,
+    r: i64,
+    per_frame: bool,
+    gi: Value,
+) -> Value {
+    let (n, d) = {
+        let s = b.shape(gi);
+        (s[0], s[1])
+    };
+    let gv = b.convert(g.value, x.dtype);
+    let gv = if per_frame {
+        b.reshape(gv, &[n])
+    } else {
+        scalar_of(b, gv)
+    };
+    let gf = loss_grad(b, gv, &[n], if per_frame { 0 } else { r });
+    let dd = b.splat(gf, d as f64);
+    let gf = b.div(gf, dd);
+    let gfb = b.broadcast_in_dim(gf, &[n, d], &[0]);
+    let gi = b.mul(gi, gfb);
+    b.reshape(gi, &x.shape)
+}
+
 struct Margin {
     x: TensorArg,
     t: TensorArg,
@@ -268,19 +296,7 @@ fn multi_margin_loss_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let totb = b.broadcast_in_dim(tot, &[n, d], &[0]);
     let neg = b.neg(totb);
     let gi = b.select(onehot, neg, h);
-    let gv = b.convert(g.value, m.x.dtype);
-    let gv = if per_frame {
-        b.reshape(gv, &[n])
-    } else {
-        scalar_of(b, gv)
-    };
-    // Mean divides by nframe (loss_grad), every loss by dim.
-    let gf = loss_grad(b, gv, &[n], if per_frame { 0 } else { m.r });
-    let dd = b.splat(gf, d as f64);
-    let gf = b.div(gf, dd);
-    let gfb = b.broadcast_in_dim(gf, &[n, d], &[0]);
-    let gi = b.mul(gi, gfb);
-    Ok(vec![Out::T(b.reshape(gi, &m.x.shape))])
+    Ok(vec![Out::T(scale_by_grad(b, &g, &m.x, m.r, per_frame, gi))])
 }
 
 // ---------------------------------------------------------------------------------------
@@ -433,18 +449,7 @@ fn multilabel_margin_loss_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let minus = mask(b, hit, pkb);
     let minus = b.reduce(minus, &[1], ReduceKind::Sum);
     let gi = b.sub(plus, minus);
-    let gv = b.convert(g.value, m.x.dtype);
-    let gv = if per_frame {
-        b.reshape(gv, &[n])
-    } else {
-        scalar_of(b, gv)
-    };
-    let gf = loss_grad(b, gv, &[n], if per_frame { 0 } else { m.r });
-    let dd = b.splat(gf, d as f64);
-    let gf = b.div(gf, dd);
-    let gfb = b.broadcast_in_dim(gf, &[n, d], &[0]);
-    let gi = b.mul(gi, gfb);
-    Ok(vec![Out::T(b.reshape(gi, &m.x.shape))])
+    Ok(vec![Out::T(scale_by_grad(b, &g, &m.x, m.r, per_frame, gi))])
 }
 
 // ---------------------------------------------------------------------------------------
