@@ -7,6 +7,9 @@
 #include "pjrt_wrap.h"
 
 #include <dlfcn.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -146,6 +149,19 @@ pw_err* pw_plugin_initialize(const void* a) {
 }
 
 /* ------------------------------- Client --------------------------------- */
+
+int pw_keep_freed_host_memory(size_t bytes) {
+#if defined(__GLIBC__)
+  /* Large blocks come from mmap by default and go back to the kernel on free, so every
+     buffer of a CPU-plugin program pays fresh page faults. One arena: blocks freed by one
+     thread are reused by the others (XLA's pool threads allocate, other threads free). */
+  return mallopt(M_MMAP_THRESHOLD, (int)bytes) && mallopt(M_TRIM_THRESHOLD, (int)(2 * bytes)) &&
+         mallopt(M_ARENA_MAX, 1);
+#else
+  (void)bytes;
+  return 0;
+#endif
+}
 
 pw_err* pw_client_create(const void* a, void** client_out) {
   API;

@@ -25,6 +25,7 @@ pw_err* pw_plugin_initialize(const void* api);
 
 /* which: 0 = platform name, 1 = platform version. */
 pw_err* pw_client_create(const void* api, void** client_out);
+int pw_keep_freed_host_memory(size_t bytes);
 pw_err* pw_client_destroy(const void* api, void* client);
 pw_err* pw_client_string(const void* api, void* client, int which, const char** s, size_t* n);
 pw_err* pw_client_devices(const void* api, void* client, void* const** devs, size_t* n);

@@ -749,6 +749,16 @@ fn first_so_in(dir: &Path) -> Option<PathBuf> {
 
 /// Locates a PJRT plugin.
 ///
+/// Makes the C allocator keep freed blocks of up to `bytes` for reuse instead of
+/// unmapping them, in one arena shared by all threads (glibc only; returns whether it
+/// applied). A CPU plugin's buffers are
+/// host memory: without this each new activation buffer pays fresh page faults, which
+/// measured up to half the time of a 1 MB elementwise op.
+pub fn keep_freed_host_memory(bytes: usize) -> bool {
+    // SAFETY: mallopt only changes allocator thresholds; no pointers are involved.
+    unsafe { ffi::pw_keep_freed_host_memory(bytes) != 0 }
+}
+
 /// `TORCH_PJRT_PLUGIN` (path to the .so) wins if set. Otherwise the python
 /// site-packages directories `search_dirs`, then those in
 /// `TORCH_PJRT_SITE_PACKAGES` (path-list separated), are searched in priority
@@ -823,6 +833,12 @@ mod tests {
             (ElementType::from_pjrt(0), ElementType::from_pjrt(14)),
             (None, None)
         );
+    }
+
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn host_allocator_tuning_applies_on_glibc() {
+        assert!(keep_freed_host_memory(32 << 20));
     }
 
     #[test]

@@ -177,6 +177,21 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
             e.message
         ))
     })?;
+    let user_tuned = [
+        "MALLOC_MMAP_THRESHOLD_",
+        "MALLOC_ARENA_MAX",
+        "GLIBC_TUNABLES",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some());
+    let cpu_plugin = path
+        .file_name()
+        .is_some_and(|f| f.to_string_lossy().contains("cpu"));
+    if cpu_plugin && !user_tuned {
+        // Device buffers are host memory here: reuse freed ones (32 MiB: glibc's maximum).
+        // Before the client exists, so that its threads share the one arena.
+        pjrt::keep_freed_host_memory(32 << 20);
+    }
     let client = pjrt::Client::new(plugin)?;
     let devices = client.num_devices();
     let rt = Runtime {
