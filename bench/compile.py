@@ -12,7 +12,8 @@ Two training steps, each ending with ``loss.item()``:
 Configurations: ``torch.compile(backend="tpu")``, eager tpu in Strict (default) and
 DeferAndFuse mode, ``torch.compile`` with PyTorch's default backend (Inductor) on the CPU, and
 PyTorch CPU eager for reference. The compiled configurations compile the forward and the loss
-(Dynamo + AOTAutograd give them the backward too); the optimizer runs eagerly in all of them.
+(Dynamo + AOTAutograd give them the backward too) and the optimizer step
+(``torch.compile(opt.step)``); the eager ones run everything op by op.
 
 Each configuration runs in its own process. "first step" is that process's first step,
 run while the other processes wait: the configuration's own cold start (tracing, compilation
@@ -69,15 +70,17 @@ def build(model_name, device, how):
     model = model.to(device)
     x, y = x.to(device), y.to(device)
     opt = make_opt(model.parameters())
-    loss_fn = model.loss
+    loss_fn, opt_step = model.loss, opt.step
     if how == "compile":
-        loss_fn = torch.compile(model.loss, backend="tpu" if device == "tpu" else "inductor")
+        backend = "tpu" if device == "tpu" else "inductor"
+        loss_fn = torch.compile(model.loss, backend=backend)
+        opt_step = torch.compile(opt.step, backend=backend)
 
     def step():
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(x, y)
         loss.backward()
-        opt.step()
+        opt_step()
         return loss.item()
 
     return step

@@ -314,11 +314,38 @@ def tpu_backend(gm, example_inputs, mode=None, options=None, **kwargs):
     def compiler(g, _inputs):
         return _Graph(g, dump, max_programs)
 
+    # Inference graphs (an optimizer step) keep their in-place updates of inputs: the
+    # program writes them back into the input storages instead of returning copies that
+    # AOTAutograd would copy_ in one eager op each.
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                        keep_inference_input_mutations=True,
                         decompositions=dict(_decompositions() if decomp == "core"
                                             else _required_decompositions()))(gm, example_inputs)
 
 
+def _optimizer_state_on_tpu():
+    """A compiled optimizer step over tpu parameters keeps its ``step`` counters on the tpu
+    device, as Dynamo does for CUDA parameters (it sets ``capturable`` while initializing the
+    state): a CPU counter would make every compiled step copy it back to the host."""
+    try:
+        from torch._dynamo.variables.optimizer import OptimizerVariable
+    except ImportError:  # Dynamo internals may move; the step then stays eager-compatible
+        return
+    orig = OptimizerVariable._safe_to_set_capturable
+    if getattr(orig, "_tpu", False):
+        return
+
+    def safe_to_set_capturable(self, group):
+        params = group.get("params", [])
+        if params and all(_is_tpu(p) for p in params):
+            return "capturable" in group and all(p not in self.value.state for p in params)
+        return orig(self, group)
+
+    safe_to_set_capturable._tpu = True
+    OptimizerVariable._safe_to_set_capturable = safe_to_set_capturable
+
+
+_optimizer_state_on_tpu()
 tpu_backend.reset = _reset  # called by torch._dynamo.reset()
 register_backend(name="tpu", compiler_fn=tpu_backend)
 
