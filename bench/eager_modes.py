@@ -3,7 +3,9 @@
 Each configuration runs in its own fresh process (so its peak host memory, ru_maxrss, is its
 own), all in one run of this script, after one unmeasured priming process that fills the
 persistent compilation cache (peak memory is then that of running, not of compiling). Step
-times are medians of warm repetitions. Loops of pointwise ops compare Strict with Debug at
+times are warm throughput: the median over blocks of BLOCK back-to-back steps of the block's
+time divided by BLOCK, each block ending with ``torch.tpu.synchronize()`` (a step's
+``.item()`` waits for the loss only; Strict may still be running the optimizer update). Loops of pointwise ops compare Strict with Debug at
 two sizes: "tiny" (16 elements: the device work is negligible, both modes are bound by host
 dispatch) and "small" (16K elements: device work comparable to dispatch, which Strict
 overlaps). Prints ratios; no thresholds.
@@ -19,6 +21,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
+BLOCK = 5
 MODES = {"strict": "DEFER_NEVER", "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING",
          "defer_and_fuse": "DEFER_AND_FUSE"}
 
@@ -47,13 +50,17 @@ def worker(model, mode, warmup, reps):
             return y.sum().item()
     else:
         step = getattr(models, f"{model}_step")(device)
+    sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
     for _ in range(warmup):
         step()
+    sync()
     times = []
     for _ in range(reps):
         t = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t)
+        for _ in range(BLOCK):
+            step()
+        sync()
+        times.append((time.perf_counter() - t) / BLOCK)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if times:
         print(json.dumps({"ms": statistics.median(times) * 1e3, "rss_mb": rss}))
