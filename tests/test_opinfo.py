@@ -358,6 +358,30 @@ def test_opinfo(name, dname, direction, request):
 
 
 # ---------------------------------------------------------------------------
+# Inputs OpInfo's random samples rarely hit
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_floor_division_matches_python_semantics(dtype):
+    """``a // b`` is not ``floor(a / b)``: 1.0 // 0.1 is 9.0 (the quotient rounds up to 10).
+    div(rounding_mode="floor"), floor_divide and ``//`` must all give the CPU's results,
+    including signs of zero and divisions by zero. bfloat16 within one bfloat16 step: the
+    CPU rounds some intermediates to bfloat16 depending on the loop it takes, we use f32."""
+    x = torch.cat([torch.linspace(-3, 3, 61), torch.tensor([0.0, -0.0, 1.0, 1e30])])
+    y = torch.tensor([0.1, -0.1, 0.3, 0.7, -0.7, 1e-3, 3.0, 0.0, -0.0])
+    a, b = x[:, None].to(dtype), y[None, :].to(dtype)
+    at, bt = a.to("tpu"), b.to("tpu")
+    for f in (lambda p, q: torch.div(p, q, rounding_mode="floor"), torch.floor_divide,
+              lambda p, q: p // q):
+        expected, got = f(a, b), f(at, bt).cpu()
+        rtol = 2**-7 if dtype == torch.bfloat16 else 0  # one bfloat16 step
+        torch.testing.assert_close(got, expected, rtol=rtol, atol=0, equal_nan=True)
+        num = ~expected.isnan()  # a NaN's sign bit carries no meaning
+        assert torch.equal(torch.signbit(got)[num], torch.signbit(expected)[num])
+
+
+# ---------------------------------------------------------------------------
 # The expected-failures file itself
 # ---------------------------------------------------------------------------
 

@@ -128,12 +128,12 @@ fn div(c: &mut Ctx) -> LResult<Vec<Out>> {
         Some("floor") => {
             let (v, dt, _) = promote(c, &["self", "other"], same)?;
             let r = if dt.is_float() {
-                // Half types floor the f32 quotient (the CPU kernel does; trunc mode
-                // truncates the rounded quotient instead).
+                // The CPU's div_floor: Python's `//` from fmod (1.0 // 0.1 is 9, not
+                // floor(1.0 / 0.1) = 10); half types in f32 (trunc mode truncates the
+                // rounded quotient instead).
                 let x = c.b.convert(v[0], opmath(dt));
                 let y = c.b.convert(v[1], opmath(dt));
-                let q = c.b.div(x, y);
-                let q = c.b.floor(q);
+                let q = float_floor_div(c.b, x, y);
                 c.b.convert(q, dt)
             } else {
                 int_floor_div(c.b, v[0], v[1])
