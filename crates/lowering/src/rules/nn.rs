@@ -472,6 +472,79 @@ fn layer_norm_axis(
     Ok(r - ns.len())
 }
 
+/// `(x - mean) * rstd` over `dims` (biased variance, two passes), with the kept-dims mean
+/// and rstd: the statistics layer and group norm share.
+fn normalize(b: &mut Builder, x: Value, dims: &[i64], eps: f64) -> (Value, Value, Value) {
+    let shape = b.shape(x);
+    let n: i64 = dims.iter().map(|d| shape[*d as usize]).product();
+    let s = super::reduce::sum_keep(b, x, dims);
+    let nn = b.splat(s, n as f64);
+    let mean = b.div(s, nn);
+    let mb = b.broadcast_to(mean, &shape);
+    let d = b.sub(x, mb);
+    let d2 = b.mul(d, d);
+    let ss = super::reduce::sum_keep(b, d2, dims);
+    let var = b.div(ss, nn);
+    let rstd = recip_sqrt(b, var, eps);
+    let rb = b.broadcast_to(rstd, &shape);
+    (b.mul(d, rb), mean, rstd)
+}
+
+/// native_group_norm: statistics per (sample, group) over the group's channels and
+/// positions, computed in f32 for half types and rounded once (as the CPU kernel does).
+fn group_norm(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let x = tensor(c, "input")?;
+    let w = c.args.opt_tensor("weight").cloned();
+    let bias = c.args.opt_tensor("bias").cloned();
+    let (n, ch, hxw, g) = (
+        c.args.int("N")?,
+        c.args.int("C")?,
+        c.args.int("HxW")?,
+        c.args.int("group")?,
+    );
+    let eps = c.args.float("eps")?;
+    float_input(&x, "group_norm")?;
+    let per_channel = |p: &Option<TensorArg>| p.as_ref().is_none_or(|p| p.shape == [ch]);
+    let ok = g > 0
+        && ch % g == 0
+        && n * ch * hxw > 0
+        && x.shape.len() >= 2
+        && x.shape[0] == n
+        && x.shape[1] == ch
+        && numel(&x.shape) == n * ch * hxw
+        && per_channel(&w)
+        && per_channel(&bias);
+    if !ok {
+        // The CPU kernel words these errors (and handles empty inputs).
+        return decline("group_norm: unsupported shapes");
+    }
+    let st = stat_dtype(x.dtype, &[w.as_ref(), bias.as_ref()]);
+    let cd = opmath(x.dtype);
+    let b = &mut *c.b;
+    let xv = b.convert(x.value, cd);
+    let xv = b.reshape(xv, &[n, g, (ch / g) * hxw]);
+    let (y, mean, rstd) = normalize(b, xv, &[2], eps);
+    let mut y = b.reshape(y, &[n, ch, hxw]);
+    for (p, add) in [(&w, false), (&bias, true)] {
+        if let Some(p) = p {
+            let pv = b.convert(p.value, cd);
+            let pb = b.broadcast_in_dim(pv, &[n, ch, hxw], &[1]);
+            y = if add { b.add(y, pb) } else { b.mul(y, pb) };
+        }
+    }
+    let y = b.reshape(y, &x.shape);
+    let stat = |b: &mut Builder, v: Value| {
+        let v = b.reshape(v, &[n, g]);
+        b.convert(v, st)
+    };
+    let (mean, rstd) = (stat(b, mean), stat(b, rstd));
+    Ok(vec![
+        Out::T(b.convert(y, x.dtype)),
+        Out::T(mean),
+        Out::T(rstd),
+    ])
+}
+
 fn layer_norm(c: &mut Ctx) -> LResult<Vec<Out>> {
     let x = tensor(c, "input")?;
     let ns = c.args.ints("normalized_shape")?;
@@ -483,20 +556,9 @@ fn layer_norm(c: &mut Ctx) -> LResult<Vec<Out>> {
     let st = stat_dtype(x.dtype, &[w.as_ref(), bias.as_ref()]);
     let cd = opmath(x.dtype);
     let dims: Vec<i64> = (axis as i64..x.shape.len() as i64).collect();
-    let n = numel(&ns);
     let b = &mut *c.b;
     let xv = b.convert(x.value, cd);
-    let s = super::reduce::sum_keep(b, xv, &dims);
-    let nn = b.splat(s, n as f64);
-    let mean = b.div(s, nn);
-    let mb = b.broadcast_to(mean, &x.shape);
-    let d = b.sub(xv, mb);
-    let d2 = b.mul(d, d);
-    let ss = super::reduce::sum_keep(b, d2, &dims);
-    let var = b.div(ss, nn);
-    let rstd = recip_sqrt(b, var, eps);
-    let rb = b.broadcast_to(rstd, &x.shape);
-    let mut y = b.mul(d, rb);
+    let (mut y, mean, rstd) = normalize(b, xv, &dims, eps);
     if let Some(w) = &w {
         let wv = b.convert(w.value, cd);
         let wb = b.broadcast_to(wv, &x.shape);
@@ -4117,6 +4179,7 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::batch_norm_backward", batch_norm_backward),
     ("aten::native_layer_norm", layer_norm),
     ("aten::native_layer_norm_backward", layer_norm_backward),
+    ("aten::native_group_norm", group_norm),
     ("aten::native_group_norm_backward", group_norm_backward),
     ("aten::nll_loss_forward", |c| nll_loss(c, false)),
     ("aten::nll_loss_backward", |c| nll_loss_backward(c, false)),
