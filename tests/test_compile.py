@@ -280,7 +280,8 @@ def test_compiled_train_step(opt_name, how, mode):
     ``opt.step()`` in one compiled function (Dynamo breaks the graph at ``loss.backward()``;
     forward, AOTAutograd's backward and the update are compiled separately), or a compiled
     loss next to ``torch.compile(opt.step)``. The update writes parameters and optimizer
-    state in place inside the program (no eager copy per tensor), AdamW's step counters
+    state in place inside the program (no eager copy per tensor, their buffers donated to
+    the new values), AdamW's step counters
     live on the tpu device as Dynamo keeps them on CUDA, and results match the CPU."""
     make_opt = {"sgd": sgd, "adamw": adamw}[opt_name]
     cpu_model, x, y, loss_fn = make("mlp")
@@ -312,11 +313,13 @@ def test_compiled_train_step(opt_name, how, mode):
         return opt, (torch.compile(step, backend="tpu") if compiled else step)
 
     (_, step), (opt_t, step_t) = make_step(cpu_model, False), make_step(tpu_model, True)
-    executions = []
+    executions, donated = [], []
     for i in range(STEPS):
-        e0 = torch_pjrt.metrics()["executions"]
+        m0 = torch_pjrt.metrics()
         a, b = step(x, y).item(), step_t(xt, yt).item()
-        executions.append(torch_pjrt.metrics()["executions"] - e0)
+        m1 = torch_pjrt.metrics()
+        executions.append(m1["executions"] - m0["executions"])
+        donated.append(m1["donated_buffers"] - m0["donated_buffers"])
         assert math.isclose(b, a, rel_tol=RTOL), f"step {i}: tpu loss {b}, CPU loss {a}"
     assert_state_close(tpu_model, cpu_model, grads=False, atol=1e-4, rtol=1e-3)
     assert_captured()
@@ -330,6 +333,9 @@ def test_compiled_train_step(opt_name, how, mode):
     # A warm step runs a handful of programs (forward, backward, update, zero_grad's and the
     # loss read's small ops), not one per parameter.
     assert max(executions[WARMUP:]) <= 8, executions
+    # The update writes each parameter into its own buffer (no second copy of the weights).
+    n_params = len(list(tpu_model.parameters()))
+    assert min(donated[WARMUP:]) >= n_params, donated
     assert not fallbacks(), fallbacks()
 
 

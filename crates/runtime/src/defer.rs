@@ -511,6 +511,8 @@ pub struct Captured {
     pub outputs: Vec<(DType, Vec<i64>)>,
     /// After the outputs: values written back into inputs (input index, dtype).
     input_writes: Vec<(usize, DType)>,
+    /// Program parameters whose buffer may be donated to the value written back.
+    aliased: Vec<usize>,
     pub device: usize,
     pub mlir: String,
 }
@@ -589,6 +591,7 @@ impl Runtime {
         }
         // Inputs the graph wrote (in-place updates), then any other live pending value.
         let mut input_writes = Vec::new();
+        let mut aliased = Vec::new();
         let mut rest: Vec<(Value, DType, Arc<Storage>)> = Vec::new();
         let mut entries: Vec<(usize, Pending)> = lazy
             .drain()
@@ -609,6 +612,16 @@ impl Runtime {
                 .position(|t| matches!(t.loc, Loc::Device(p) if p as usize == key))
             {
                 Some(i) => {
+                    // An input read whole and rewritten (an optimizer's parameters and
+                    // state): its buffer can hold the new value, as in a deferred flush.
+                    if let Some((p, pdt, _)) = graph.params.get(&key) {
+                        if *pdt == dt && graph.b.ty(*p) == graph.b.ty(v) {
+                            if let Some(pi) = graph.b.param_index(*p) {
+                                graph.b.alias(*p, results.len());
+                                aliased.push(pi);
+                            }
+                        }
+                    }
                     results.push(v);
                     input_writes.push((i, dt));
                 }
@@ -646,9 +659,15 @@ impl Runtime {
                 Src::Rng(n) => Param_::Rng(n),
             })
             .collect();
-        // First call: run with the buffers bound at capture.
+        // First call: run with the buffers bound at capture (none donated: the capture
+        // itself still refers to them).
         let refs: Vec<&pjrt::Buffer> = graph.inputs.iter().map(|b| b.as_ref()).collect();
-        let bufs: Vec<Arc<pjrt::Buffer>> = exe.execute(&refs)?.into_iter().map(Arc::new).collect();
+        let keep: Vec<i64> = aliased.iter().map(|i| *i as i64).collect();
+        let bufs: Vec<Arc<pjrt::Buffer>> = exe
+            .execute_donating(&refs, &keep)?
+            .into_iter()
+            .map(Arc::new)
+            .collect();
         self.metrics
             .executions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -677,6 +696,7 @@ impl Runtime {
                 params,
                 outputs: out_meta,
                 input_writes,
+                aliased,
                 device,
                 mlir,
             },
@@ -727,12 +747,33 @@ impl Runtime {
                 Param_::Rng(n) => crate::rng_input(self, Some(gen), c.device, *n)?,
             });
         }
+        let mut keep = Vec::new();
+        if !c.aliased.is_empty() {
+            // Queued Strict jobs may still read an input this program overwrites.
+            self.worker.drain();
+            self.forget_finished();
+            // Donate only what nothing but the input's storage and `bufs` holds.
+            keep = c
+                .aliased
+                .iter()
+                .filter(|i| Arc::strong_count(&bufs[**i]) > 2)
+                .map(|i| *i as i64)
+                .collect();
+        }
         let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
-        let outs: Vec<Arc<pjrt::Buffer>> =
-            c.exe.execute(&refs)?.into_iter().map(Arc::new).collect();
+        let outs: Vec<Arc<pjrt::Buffer>> = c
+            .exe
+            .execute_donating(&refs, &keep)?
+            .into_iter()
+            .map(Arc::new)
+            .collect();
         self.metrics
             .executions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics.donated_buffers.fetch_add(
+            (c.aliased.len() - keep.len()) as u64,
+            std::sync::atomic::Ordering::Relaxed,
+        );
         self.track("compiled graph", &outs);
         let mut it = outs.into_iter();
         let mut handles = Vec::new();
