@@ -170,6 +170,29 @@ def test_intermediates_are_not_written_out():
     assert abs(val - ref.sum().item()) < 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("how", ["defer_and_fuse", "compile"])
+def test_fused_half_precision_rounds_like_eager(dtype, how):
+    """A chain of half-precision ops fused into one program rounds every intermediate to the
+    dtype, as eager PyTorch (and Strict) does: the same bits as the CPU, not XLA's excess
+    f32 precision inside a fusion."""
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(4096, generator=g).to(dtype) for _ in range(2))
+
+    def f(a, b):
+        return ((a * b + a) * b - a).exp() * 0.5 + (a / (b.abs() + 1)).sqrt()
+
+    ref = f(x, y)
+    xt, yt = x.to("tpu"), y.to("tpu")
+    if how == "compile":
+        torch._dynamo.reset()
+        got = torch.compile(f, backend="tpu")(xt, yt).cpu()
+    else:
+        with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
+            got = f(xt, yt).cpu()
+    torch.testing.assert_close(got, ref, rtol=0, atol=0, equal_nan=True)
+
+
 def _run_subprocess(code, **env):
     return subprocess.run(
         [sys.executable, "-c", code], env={**_clean_env(), **env}, capture_output=True, text=True

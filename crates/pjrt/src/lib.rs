@@ -221,6 +221,8 @@ struct ClientInner {
     device_kinds: Vec<String>,
     device_ids: Vec<i64>,
     platform: [String; 2],
+    /// Compile options set by name (`CompileOptionsProto.env_option_overrides`).
+    overrides: Vec<(String, bool)>,
 }
 
 // SAFETY: a PJRT_Client is thread-safe; device handles are immutable objects
@@ -275,6 +277,13 @@ impl fmt::Debug for Client {
 impl Client {
     /// Initializes the plugin (once per process), then creates a client with no options.
     pub fn new(plugin: Arc<Plugin>) -> Result<Arc<Client>> {
+        Self::with_overrides(plugin, &[])
+    }
+
+    /// As `new`; every compilation also sets these boolean XLA options by name
+    /// (`DebugOptions` fields such as `xla_allow_excess_precision`). The plugin rejects
+    /// names it does not know when compiling.
+    pub fn with_overrides(plugin: Arc<Plugin>, overrides: &[(&str, bool)]) -> Result<Arc<Client>> {
         plugin.initialize()?;
         let api = plugin.api;
         let mut raw: ffi::Handle = ptr::null_mut();
@@ -287,6 +296,7 @@ impl Client {
             device_kinds: vec![],
             device_ids: vec![],
             platform: Default::default(),
+            overrides: overrides.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
         };
         for (which, out) in c.platform.iter_mut().enumerate() {
             let (mut s, mut n) = (ptr::null(), 0usize);
@@ -347,7 +357,7 @@ impl Client {
     pub fn compile(&self, mlir: &str, device: usize) -> Result<Executable> {
         let c = &self.inner;
         c.device(device)?;
-        let opts = compile_options(device, c.device_ids[device]);
+        let opts = compile_options(device, c.device_ids[device], &c.overrides);
         let (code, copts) = (mlir.as_ptr().cast(), opts.as_ptr().cast());
         let mut raw: ffi::Handle = ptr::null_mut();
         // SAFETY: live client; inputs are valid for their lengths during the call.
@@ -370,14 +380,14 @@ impl Client {
     pub fn compile_options(&self, device: usize) -> Result<Vec<u8>> {
         let c = &self.inner;
         c.device(device)?;
-        Ok(compile_options(device, c.device_ids[device]))
+        Ok(compile_options(device, c.device_ids[device], &c.overrides))
     }
 
     /// Loads an executable produced by [`Executable::serialize`] onto `device`.
     pub fn deserialize(&self, bytes: &[u8], device: usize) -> Result<Executable> {
         let c = &self.inner;
         c.device(device)?;
-        let opts = compile_options(device, c.device_ids[device]);
+        let opts = compile_options(device, c.device_ids[device], &c.overrides);
         let (b, o) = (bytes.as_ptr().cast(), opts.as_ptr().cast());
         let mut raw: ffi::Handle = ptr::null_mut();
         // SAFETY: live client; inputs are valid for their lengths during the call.
@@ -448,8 +458,9 @@ fn put_bytes(out: &mut Vec<u8>, field: u64, b: &[u8]) {
 /// num_partitions(5)=1, device_assignment(9) { replica_count(1)=1,
 /// computation_count(2)=1, computation_devices(3) { replica_device_ids(1) } } }.
 /// The device assignment is what places the executable: device_ordinal alone
-/// still yields the default assignment (device 0).
-fn compile_options(device_ordinal: usize, device_id: i64) -> Vec<u8> {
+/// still yields the default assignment (device 0). Then env_option_overrides(7), a map
+/// of option name to OptionOverrideProto { bool_field(2) }.
+fn compile_options(device_ordinal: usize, device_id: i64, overrides: &[(String, bool)]) -> Vec<u8> {
     let mut computation_device = vec![];
     put_int(&mut computation_device, 1, device_id);
     let mut assignment = vec![];
@@ -463,6 +474,14 @@ fn compile_options(device_ordinal: usize, device_id: i64) -> Vec<u8> {
     put_bytes(&mut build, 9, &assignment);
     let mut opts = vec![];
     put_bytes(&mut opts, 3, &build);
+    for (name, value) in overrides {
+        let mut v = vec![];
+        put_int(&mut v, 2, i64::from(*value)); // a oneof member: written even when false
+        let mut entry = vec![];
+        put_bytes(&mut entry, 1, name.as_bytes());
+        put_bytes(&mut entry, 2, &v);
+        put_bytes(&mut opts, 7, &entry);
+    }
     opts
 }
 
@@ -846,6 +865,13 @@ mod tests {
         let expected = [
             0x1a, 16, 0x08, 1, 0x20, 1, 0x28, 1, 0x4a, 8, 0x08, 1, 0x10, 1, 0x1a, 2, 0x08, 1,
         ];
-        assert_eq!(compile_options(1, 1), expected);
+        assert_eq!(compile_options(1, 1, &[]), expected);
+        let with = compile_options(1, 1, &[("ab".into(), false)]);
+        assert_eq!(with[..expected.len()], expected);
+        // 7: { key(1) "ab", value(2) { bool_field(2) false } }
+        assert_eq!(
+            with[expected.len()..],
+            [0x3a, 8, 0x0a, 2, b'a', b'b', 0x12, 2, 0x10, 0]
+        );
     }
 }

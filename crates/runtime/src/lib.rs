@@ -192,7 +192,15 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         // Before the client exists, so that its threads share the one arena.
         pjrt::keep_freed_host_memory(32 << 20);
     }
-    let client = pjrt::Client::new(plugin)?;
+    // Fused programs (DeferAndFuse, torch.compile) round every half-precision intermediate
+    // as eager PyTorch does, instead of XLA keeping them in f32: the same results in every
+    // mode. Only where verified: the option's name is checked by the plugin at compile time.
+    let overrides: &[(&str, bool)] = if cpu_plugin {
+        &[("xla_allow_excess_precision", false)]
+    } else {
+        &[]
+    };
+    let client = pjrt::Client::with_overrides(plugin, overrides)?;
     let devices = client.num_devices();
     let rt = Runtime {
         disk: diskcache::DiskCache::new(&client),
