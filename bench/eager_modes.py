@@ -68,7 +68,9 @@ def worker(model, mode, warmup, reps):
 
 def run(model, mode, warmup, reps):
     cmd = [sys.executable, __file__, "--worker", model, mode]
-    subprocess.run(cmd + ["1", "0"], capture_output=True, text=True, check=True)  # priming
+    # Priming: the same warm-up steps, so that every program the measured run needs (a
+    # training loop's first steps build different graphs) is in the disk cache.
+    subprocess.run(cmd + [str(warmup), "0"], capture_output=True, text=True, check=True)
     out = subprocess.run(cmd + [str(warmup), str(reps)], capture_output=True, text=True,
                          check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])

@@ -153,11 +153,11 @@ pw_err* pw_plugin_initialize(const void* a) {
 int pw_keep_freed_host_memory(size_t bytes) {
 #if defined(__GLIBC__)
   /* Large blocks come from mmap by default and go back to the kernel on free, so every
-     buffer of a CPU-plugin program pays fresh page faults. Two arenas: blocks freed by
-     one thread are reused by the others (XLA's pool threads allocate, other threads free)
-     without every thread contending for one lock. */
+     buffer of a CPU-plugin program pays fresh page faults. At most four arenas:
+     blocks freed by one thread are reused by the others (XLA's pool threads allocate,
+     other threads free); fewer made the dispatching and executing threads contend. */
   return mallopt(M_MMAP_THRESHOLD, (int)bytes) && mallopt(M_TRIM_THRESHOLD, (int)(2 * bytes)) &&
-         mallopt(M_ARENA_MAX, 2);
+         mallopt(M_ARENA_MAX, 4);
 #else
   (void)bytes;
   return 0;

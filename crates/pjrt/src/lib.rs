@@ -769,7 +769,7 @@ fn first_so_in(dir: &Path) -> Option<PathBuf> {
 /// Locates a PJRT plugin.
 ///
 /// Makes the C allocator keep freed blocks of up to `bytes` for reuse instead of
-/// unmapping them, in two arenas shared by all threads (glibc only; returns whether it
+/// unmapping them, in at most four arenas shared by all threads (glibc only; returns whether it
 /// applied). A CPU plugin's buffers are
 /// host memory: without this each new activation buffer pays fresh page faults, which
 /// measured up to half the time of a 1 MB elementwise op.
