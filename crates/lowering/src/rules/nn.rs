@@ -490,18 +490,19 @@ fn normalize(b: &mut Builder, x: Value, dims: &[i64], eps: f64) -> (Value, Value
     (b.mul(d, rb), mean, rstd)
 }
 
+/// Group norm's (N, C, HxW, group) arguments.
+fn group_sizes(c: &Ctx) -> LResult<(i64, i64, i64, i64)> {
+    let a = &c.args;
+    Ok((a.int("N")?, a.int("C")?, a.int("HxW")?, a.int("group")?))
+}
+
 /// native_group_norm: statistics per (sample, group) over the group's channels and
 /// positions, computed in f32 for half types and rounded once (as the CPU kernel does).
 fn group_norm(c: &mut Ctx) -> LResult<Vec<Out>> {
     let x = tensor(c, "input")?;
     let w = c.args.opt_tensor("weight").cloned();
     let bias = c.args.opt_tensor("bias").cloned();
-    let (n, ch, hxw, g) = (
-        c.args.int("N")?,
-        c.args.int("C")?,
-        c.args.int("HxW")?,
-        c.args.int("group")?,
-    );
+    let (n, ch, hxw, g) = group_sizes(c)?;
     let eps = c.args.float("eps")?;
     float_input(&x, "group_norm")?;
     let per_channel = |p: &Option<TensorArg>| p.as_ref().is_none_or(|p| p.shape == [ch]);
@@ -657,12 +658,7 @@ fn group_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let mean = tensor(c, "mean")?;
     let rstd = tensor(c, "rstd")?;
     let w = c.args.opt_tensor("weight").cloned();
-    let (n, ch, hxw, g) = (
-        c.args.int("N")?,
-        c.args.int("C")?,
-        c.args.int("HxW")?,
-        c.args.int("group")?,
-    );
+    let (n, ch, hxw, g) = group_sizes(c)?;
     let mask = c.args.bools("output_mask")?;
     float_input(&x, "group_norm_backward")?;
     let ok = g > 0
