@@ -326,7 +326,8 @@ def tpu_backend(gm, example_inputs, mode=None, options=None, **kwargs):
 def _optimizer_state_on_tpu():
     """A compiled optimizer step over tpu parameters keeps its ``step`` counters on the tpu
     device, as Dynamo does for CUDA parameters (it sets ``capturable`` while initializing the
-    state): a CPU counter would make every compiled step copy it back to the host."""
+    state): with CPU counters the update graph has CPU inputs and could not be captured (it
+    ran op by op, one eager graph per piece)."""
     try:
         from torch._dynamo.variables.optimizer import OptimizerVariable
     except ImportError:  # Dynamo internals may move; the step then stays eager-compatible

@@ -189,7 +189,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         .is_some_and(|f| f.to_string_lossy().contains("cpu"));
     if cpu_plugin && !user_tuned {
         // Device buffers are host memory here: reuse freed ones (32 MiB: glibc's maximum).
-        // Before the client exists, so that its threads share the one arena.
+        // Before the client exists, so that the arena cap binds its threads too.
         pjrt::keep_freed_host_memory(32 << 20);
     }
     // Fused programs (DeferAndFuse, torch.compile) round every half-precision intermediate
