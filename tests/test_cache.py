@@ -252,3 +252,31 @@ def test_turned_off(cache_dir):
     info = torch_pjrt.cache_info()
     assert info["compilations"] > 0 and info["disk_misses"] == 0 and info["disk_hits"] == 0
     assert not list(cache_dir.iterdir())
+
+
+BOUNDED = r"""
+import json, torch, torch_pjrt
+def run(n):
+    x = torch.arange(float(n))
+    return (x.to("tpu") * 3 + n).sum().item(), (x * 3 + n).sum().item()
+first = [run(n) for n in range(1, 41)]        # 40 shapes, several programs each
+m = torch_pjrt.metrics()
+again = [run(n) for n in range(1, 6)]          # the earliest shapes were evicted
+m2 = torch_pjrt.metrics()
+print(json.dumps({"ok": all(a == b for a, b in first + again), "cached": m["cached_programs"],
+                  "evicted": m["evicted_programs"], "compilations": m2["compilations"] - m["compilations"],
+                  "disk_hits": m2["disk_hits"] - m["disk_hits"]}))
+"""
+
+
+def test_memory_cache_is_bounded(cache_dir):
+    """Loaded executables are bounded (XLA:CPU fails past some 12 000 in a process):
+    beyond TORCH_TPU_MAX_CACHED_PROGRAMS the least recently used are dropped, and coming
+    back to them loads them from the disk cache instead of compiling."""
+    p = subprocess.run([sys.executable, "-c", BOUNDED], capture_output=True, text=True,
+                       env=_env(cache_dir, TORCH_TPU_MAX_CACHED_PROGRAMS="16"), timeout=300)
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    assert r["ok"], r
+    assert r["cached"] <= 16 and r["evicted"] > 40, r
+    assert r["compilations"] == 0 and r["disk_hits"] > 0, r

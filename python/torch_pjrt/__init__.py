@@ -112,7 +112,9 @@ def metrics():
     Keys: compilations (real XLA compilations; programs loaded from the disk cache are
     disk_hits, with load_seconds), cache_hits, cache_misses, compile_seconds, executions,
     host_to_device_bytes, device_to_host_bytes, native_calls, fallback_calls,
-    cached_programs, and ``ops``: {op name: (native calls, fallback calls)}.
+    cached_programs (per-op programs held in memory, at most ``TORCH_TPU_MAX_CACHED_PROGRAMS``,
+    default 4096), evicted_programs (dropped to stay within it; reloaded from the disk cache
+    when needed again), and ``ops``: {op name: (native calls, fallback calls)}.
 
     ``compile`` (torch.compile): dynamo_graphs (distinct graphs Dynamo traced; one for all
     lengths under dynamic shapes), compiled_graphs (programs captured: one per graph and

@@ -196,6 +196,7 @@ fn metrics(py: Python<'_>) -> PyResult<PyObject> {
     }
     d.set_item("flush_reasons", reasons)?;
     d.set_item("cached_programs", rt()?.cache.len())?;
+    d.set_item("evicted_programs", rt()?.cache.evicted())?;
     Ok(d.into_any().unbind())
 }
 
