@@ -317,6 +317,7 @@ def test_compiled_train_step(opt_name, how, mode):
     for i in range(STEPS):
         m0 = torch_pjrt.metrics()
         a, b = step(x, y).item(), step_t(xt, yt).item()
+        torch.tpu.synchronize()  # Strict replays are queued: .item() waits for the loss only
         m1 = torch_pjrt.metrics()
         executions.append(m1["executions"] - m0["executions"])
         donated.append(m1["donated_buffers"] - m0["donated_buffers"])

@@ -47,22 +47,32 @@ ERROR_CASES = {
     "add_inplace_broadcast": (lambda a, b: a.add_(b), [ones(3, 1), ones(3, 3)]),
     "mul_inplace_cast": (lambda a: a.mul_(1.5), [ones(3, dtype=torch.int64)]),
     "where_shapes": (lambda a: torch.where(a > 0, a, torch.ones(4, device=a.device)), [ones(3)]),
+    # Index values: checked on the device, raised at the op (Debug) or at the next
+    # synchronization or host read (Strict, DeferAndFuse).
     "index_select_bounds": (lambda a, i: a.index_select(0, i), [ones(3), idx(5)]),
+    "index_select_negative": (lambda a, i: a.index_select(0, i), [ones(3), idx(-1)]),
     "advanced_index_bounds": (lambda a, i: a[i], [ones(3), idx(5)]),
+    "advanced_index_negative": (lambda a, i: a[:, i], [ones(2, 3), idx(1, -4)]),
+    "index_put_bounds": (lambda a, i: a.index_put_((i,), torch.tensor(1.0, device=a.device)),
+                         [ones(3), idx(0, 3)]),
     "gather_bounds": (lambda a, i: torch.gather(a, 0, i), [ones(2, 2), lambda d: torch.tensor([[7]], device=d)]),
+    "scatter_bounds": (lambda a, i: a.scatter(1, i, 2.0), [ones(2, 2), lambda d: torch.tensor([[0], [2]], device=d)]),
+    "scatter_add_bounds": (lambda a, i: a.scatter_add(0, i, torch.ones(1, 2, device=a.device)),
+                           [ones(2, 2), lambda d: torch.tensor([[0, -1]], device=d)]),
+    "take_bounds": (lambda a, i: a.take(i), [ones(2, 3), idx(-7)]),
+    "put_bounds": (lambda a, i: a.put(i, torch.ones(1, device=a.device)), [ones(2, 3), idx(6)]),
+    "index_add_bounds": (lambda a, i: a.index_add(0, i, torch.ones(2, 3, device=a.device)),
+                         [ones(2, 3), idx(1, 2)]),
+    "index_copy_bounds": (lambda a, i: a.index_copy(1, i, torch.ones(2, 1, device=a.device)),
+                          [ones(2, 3), idx(3)]),
+    "index_fill_bounds": (lambda a, i: a.index_fill(0, i, 5.0), [ones(2, 3), idx(-3)]),
     "cross_entropy_target": (torch.nn.functional.cross_entropy, [ones(2, 10), idx(12, 1)]),
+    "nll_loss_negative_target": (torch.nn.functional.nll_loss, [ones(3, 4), idx(0, -1, 2)]),
     "embedding_bounds": (lambda i, w: torch.nn.functional.embedding(i, w), [idx(9), ones(4, 2)]),
 }
 
-DATA_DEPENDENT = ("bounds are data-dependent: the tpu program does not check them (CPU raises, "
-                  "tpu returns garbage)")
 ERROR_XFAIL = {
     "mm_dtype": "message says 'float != long', CPU says 'float != long int'",
-    "index_select_bounds": DATA_DEPENDENT,
-    "advanced_index_bounds": DATA_DEPENDENT,
-    "gather_bounds": DATA_DEPENDENT,
-    "cross_entropy_target": DATA_DEPENDENT,
-    "embedding_bounds": DATA_DEPENDENT,
 }
 
 
@@ -86,8 +96,9 @@ def test_same_error_as_cpu(name):
     expected = _error(fn, [m("cpu") for m in makers])
     assert expected is not None, "the case does not raise on the CPU"
     actual = _error(fn, [m("tpu") for m in makers])
-    if actual is None:
-        torch.tpu.synchronize()
+    if actual is None:  # found on the device after the op: raised by the next synchronization
+        assert torch.tpu.eager_mode != torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+        actual = _error(torch.tpu.synchronize, [])
     assert actual is not None, f"tpu did not raise; CPU raised {type(expected).__name__}: {expected}"
     assert type(actual) is type(expected), f"{type(actual).__name__}: {actual}"
     assert str(actual).split("\n")[0] == str(expected).split("\n")[0]
@@ -161,6 +172,94 @@ def test_failed_op_leaves_inputs_unchanged(name):
     assert x.cpu().tolist() == [0.0, 1.0, 2.0]
     # The device still works afterwards.
     assert (x + 1).cpu().tolist() == [1.0, 2.0, 3.0]
+
+
+BAD_INDEX_INPLACE = {
+    "index_put_": lambda x, i: x.index_put_((i,), torch.tensor(9.0, device=x.device)),
+    "index_add_": lambda x, i: x.index_add_(0, i, torch.ones(1, device=x.device)),
+    "scatter_": lambda x, i: x.scatter_(0, i, 9.0),
+    "index_fill_": lambda x, i: x.index_fill_(0, i, 9.0),
+}
+
+
+MODES = ["DEFER_NEVER_AND_LAUNCH_BLOCKING", "DEFER_NEVER", "DEFER_AND_FUSE"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(BAD_INDEX_INPLACE))
+def test_bad_index_leaves_inplace_target_unchanged(name, mode):
+    """An out-of-range index raises the CPU's exception type and message, the in-place op has
+    no effect (even in DeferAndFuse, where the graph would donate the target's buffer: its
+    checks run first), and the device keeps working."""
+    fn = BAD_INDEX_INPLACE[name]
+    bad = torch.tensor([1, 7])
+    with pytest.raises((IndexError, RuntimeError)) as cpu_err:
+        fn(torch.arange(3.0), bad)
+    with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, mode)):
+        x = torch.arange(3.0).to("tpu")
+        torch.tpu.synchronize()
+        with pytest.raises(cpu_err.type) as err:
+            fn(x, bad.to("tpu"))
+            torch.tpu.synchronize()
+        assert str(err.value).split("\n")[0] == str(cpu_err.value)
+        assert x.cpu().tolist() == [0.0, 1.0, 2.0]
+        assert (x + 1).cpu().tolist() == [1.0, 2.0, 3.0]
+        torch.tpu.synchronize()  # the failure was reported once
+
+
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_ops_reading_a_bad_index_result_do_not_run(mode):
+    """In the asynchronous modes the op returns; what reads its result raises its error."""
+    x = torch.arange(3.0).to("tpu")
+    with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, mode)):
+        z = x.index_select(0, torch.tensor([2, 5]).to("tpu")) * 2 + 1
+        with pytest.raises(IndexError, match="index out of range in self"):
+            z.cpu()
+        torch.tpu.synchronize()  # reported once, by the read
+        assert (x + 1).cpu().tolist() == [1.0, 2.0, 3.0]
+
+
+def test_bad_index_in_a_deferred_training_step_keeps_the_weights():
+    """A DeferAndFuse step whose graph updates parameters in place (donating their buffers)
+    and looks up an out-of-range token: IndexError, and the weights are those before the
+    step, so training can go on with good data."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(),
+                                torch.nn.Linear(8, 3)).to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    good = torch.tensor([[1, 2], [3, 4]]).to("tpu")
+    target = torch.tensor([0, 2]).to("tpu")
+
+    def step(tokens):
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(tokens), target)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        for _ in range(3):
+            step(good)
+        before = [p.detach().cpu().clone() for p in model.parameters()]
+        d0 = torch_pjrt.metrics()["donated_buffers"]
+        with pytest.raises(IndexError, match="index out of range in self"):
+            step(torch.tensor([[1, 2], [3, 12]]).to("tpu"))
+            torch.tpu.synchronize()
+        for p, b in zip(model.parameters(), before, strict=True):
+            torch.testing.assert_close(p.detach().cpu(), b, rtol=0, atol=0)
+        step(good)
+        assert torch_pjrt.metrics()["donated_buffers"] > d0
+
+
+def test_bad_index_in_a_compiled_graph_raises_at_the_next_read():
+    emb = torch.nn.Embedding(10, 4).to("tpu")
+    f = torch.compile(lambda i: emb(i).sum(), backend="tpu")
+    ok = f(torch.tensor([1, 2]).to("tpu")).item()
+    assert ok == pytest.approx(emb.weight[1:3].sum().item(), rel=1e-6)
+    with pytest.raises(IndexError, match="index out of range in self"):
+        f(torch.tensor([3, 40]).to("tpu")).item()
+    assert f(torch.tensor([1, 2]).to("tpu")).item() == ok
+    torch.tpu.synchronize()
 
 
 def test_failed_op_in_a_sequence_does_not_poison_later_ops():

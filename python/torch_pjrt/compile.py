@@ -422,7 +422,9 @@ def export_signature():
     closed over, a host constant, random state). ``results``, one per program result:
     first ``fn``'s tensor results, as tensors holding the export run's values; then
     (dtype, [numel]) for each other value the program returns (tensors the function left
-    alive: for a training step, new gradients and optimizer state).
+    alive: for a training step, new gradients and optimizer state, and one int64 scalar per
+    index range check: the smallest int64 when every index was in range, else an offending
+    index).
     """
     if _last_export is None:
         raise RuntimeError("export_signature: nothing was exported yet")

@@ -51,6 +51,26 @@ pub enum Out {
     None,
 }
 
+/// A condition on the op's data that only the device can evaluate (an index in range):
+/// `bad` is an `i64[]` the runtime reads after the op ran: `NO_BAD_INDEX`, or an offending
+/// index, which raises `kind` with `msg` (its `{index}` replaced by the value).
+#[derive(Clone, Debug)]
+pub struct Check {
+    pub bad: Value,
+    pub kind: ErrorKind,
+    pub msg: String,
+}
+
+/// What a `Check` holds when every index was in range.
+pub const NO_BAD_INDEX: i64 = i64::MIN;
+
+impl Check {
+    /// The error for the check's value `bad`, if it failed.
+    pub fn error(kind: ErrorKind, msg: &str, bad: i64) -> Option<(ErrorKind, String)> {
+        (bad != NO_BAD_INDEX).then(|| (kind, msg.replace("{index}", &bad.to_string())))
+    }
+}
+
 /// What a rule may ask of the runtime beyond its arguments.
 pub struct Ctx<'a> {
     pub b: &'a mut Builder,
@@ -69,6 +89,8 @@ pub struct Ctx<'a> {
     /// Tensor arguments whose memory layout is not contiguous (the few CPU kernels whose
     /// results depend on strides, like det's LU factors, follow them).
     pub strided: Vec<String>,
+    /// Data-dependent conditions the runtime verifies after the op (see `Check`).
+    pub checks: Vec<Check>,
 }
 
 impl<'a> Ctx<'a> {
@@ -83,7 +105,27 @@ impl<'a> Ctx<'a> {
             writes: Vec::new(),
             out_dtypes: Vec::new(),
             strided: Vec::new(),
+            checks: Vec::new(),
         }
+    }
+
+    /// Asks the runtime to raise `kind`/`msg` unless every element of the integer tensor
+    /// `idx` lies in `[lo, hi)` (XLA clamps out-of-range gathers and drops such scatters,
+    /// where PyTorch raises). `msg` may name the offending value as `{index}`.
+    pub fn check_range(&mut self, idx: Value, lo: i64, hi: i64, kind: ErrorKind, msg: String) {
+        let b = &mut *self.b;
+        let idx = b.convert(idx, DType::I64);
+        let l = b.splat(idx, lo as f64);
+        let h = b.splat(idx, hi as f64);
+        let below = b.compare(idx, l, stablehlo::CmpDir::Lt);
+        let above = b.compare(idx, h, stablehlo::CmpDir::Ge);
+        let out = b.or(below, above);
+        let none = b.constant_i64(DType::I64, NO_BAD_INDEX);
+        let none = b.broadcast_to(none, &b.shape(idx));
+        let bad = b.select(out, idx, none);
+        let dims: Vec<i64> = (0..b.shape(bad).len() as i64).collect();
+        let bad = b.reduce(bad, &dims, stablehlo::ReduceKind::Max);
+        self.checks.push(Check { bad, kind, msg });
     }
 
     /// Whether tensor argument `name` is laid out contiguously.
@@ -118,4 +160,34 @@ pub type Rule = fn(&mut Ctx) -> LResult<Vec<Out>>;
 /// Finds the rule for `op` (e.g. "aten::add").
 pub fn find_rule(op: &str) -> Option<Rule> {
     rules::lookup(op)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_reports_the_offending_index_only_when_there_is_one() {
+        let msg = "index {index} is out of bounds for dimension 0 with size 3";
+        assert_eq!(Check::error(ErrorKind::Index, msg, NO_BAD_INDEX), None);
+        assert_eq!(
+            Check::error(ErrorKind::Index, msg, -4),
+            Some((
+                ErrorKind::Index,
+                "index -4 is out of bounds for dimension 0 with size 3".to_string()
+            ))
+        );
+    }
+
+    #[test]
+    fn check_range_adds_one_i64_scalar_output() {
+        let mut b = Builder::new();
+        let idx = b.param(TensorType::new(DType::I32, &[2, 3]));
+        let args = Args::default();
+        let mut c = Ctx::new(&mut b, "aten::take", "", &args);
+        c.check_range(idx, -6, 6, ErrorKind::Index, "bad".into());
+        let check = c.checks.pop().expect("one check");
+        assert_eq!(c.b.ty(check.bad), &TensorType::new(DType::I64, &[]));
+        assert!(c.checks.is_empty());
+    }
 }

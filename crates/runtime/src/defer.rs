@@ -16,7 +16,7 @@ use crate::exec::{
     RetShape, Sources, TensorRef, Variant,
 };
 use crate::storage::Storage;
-use crate::{host, Error, Result, Runtime};
+use crate::{host, Error, ErrorKind, Result, Runtime};
 
 /// A pending value of a storage: (flat value, dtype, a reference that keeps the storage
 /// and its address alive until the graph runs).
@@ -37,6 +37,8 @@ struct Graph {
     capturing: bool,
     /// A flush happened while capturing: the capture cannot be replayed.
     broken: bool,
+    /// Recorded ops' data checks (`pred[]` values), verified after the graph runs.
+    checks: Vec<(Value, ErrorKind, String)>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -77,6 +79,7 @@ impl Graph {
             ops: 0,
             capturing: false,
             broken: false,
+            checks: Vec::new(),
         }
     }
 }
@@ -294,6 +297,7 @@ impl Runtime {
             called,
             ops,
             capturing,
+            checks,
             ..
         } = &mut *g;
         let capturing = *capturing;
@@ -379,6 +383,9 @@ impl Runtime {
                             unsafe { &*p }.mark_lazy();
                         }
                     }
+                    Output::Check { kind, msg } => {
+                        checks.push((*v, *kind, crate::exec::checked_by(msg, op)))
+                    }
                 }
             }
         }
@@ -420,22 +427,35 @@ impl Runtime {
             .collect();
         // Output order must not depend on hashing, or the module text (the cache key) would.
         entries.sort_by_key(|e| (e.1, e.0));
-        let outs: Vec<Value> = entries.iter().map(|e| e.1).collect();
+        let mut outs: Vec<Value> = entries.iter().map(|e| e.1).collect();
+        outs.extend(graph.checks.iter().map(|c| c.0));
         // A storage the graph both reads (as a parameter) and rewrites (in-place updates of
         // weights and optimizer state): its old buffer can hold the new value.
         let mut graph = graph;
-        let mut aliased = Vec::new();
+        let mut aliases = Vec::new();
         for (j, (key, v, dt, _)) in entries.iter().enumerate() {
             if let Some((p, pdt, _)) = graph.params.get(key) {
                 if pdt == dt && graph.b.ty(*p) == graph.b.ty(*v) {
                     if let Some(i) = graph.b.param_index(*p) {
-                        graph.b.alias(*p, j);
-                        aliased.push(i);
+                        aliases.push((*p, j, i));
                     }
                 }
             }
         }
-        let main = graph.b.finish(&outs);
+        // A graph that may donate buffers and has data checks runs its checks first, alone
+        // (XLA keeps only what they depend on: usually the index inputs), so that a failed
+        // check leaves the storages it would have donated as they were.
+        let prechecks = if graph.checks.is_empty() || aliases.is_empty() {
+            None
+        } else {
+            let couts: Vec<Value> = graph.checks.iter().map(|c| c.0).collect();
+            Some(self.graph_program(device, &graph, &couts)?)
+        };
+        for (p, j, _) in &aliases {
+            graph.b.alias(*p, *j);
+        }
+        let aliased: Vec<usize> = aliases.iter().map(|a| a.2).collect();
+        let aliased_entries: Vec<usize> = aliases.iter().map(|a| a.1).collect();
         if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
             eprintln!(
                 "// deferred graph: {} ops ({reason})\n{}",
@@ -443,30 +463,7 @@ impl Runtime {
                 graph.module(&outs)
             );
         }
-        let key = (device, main);
-        let cached = lock(&d.programs).get(&key).cloned();
-        let exe = match cached {
-            Some(e) => {
-                self.metrics
-                    .cache_hits
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                e
-            }
-            None => {
-                self.metrics
-                    .cache_misses
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let mlir = graph.module(&outs);
-                let exe = Arc::new(self.compile(&mlir, device, true).map_err(|e| {
-                    Error::runtime(format!(
-                        "XLA failed to compile a deferred graph of {} ops: {}",
-                        graph.ops, e.msg
-                    ))
-                })?);
-                lock(&d.programs).insert(key, exe.clone());
-                exe
-            }
-        };
+        let exe = self.graph_program(device, &graph, &outs)?;
         // Donate an aliased input only if nothing but its storage and this graph holds the
         // buffer (a view's storage, a captured graph or an unfinished op could still read it).
         drop(graph.params);
@@ -478,6 +475,23 @@ impl Runtime {
             .collect();
         let donated = aliased.len() - keep.len();
         let refs: Vec<&pjrt::Buffer> = graph.inputs.iter().map(|b| b.as_ref()).collect();
+        if let (Some(pre), true) = (prechecks, donated > 0) {
+            let cbufs: Vec<Arc<pjrt::Buffer>> =
+                pre.execute(&refs)?.into_iter().map(Arc::new).collect();
+            if let Some(e) =
+                self.failed_checks(graph.checks.iter().map(|c| (c.1, c.2.as_str())), &cbufs)?
+            {
+                // Nothing ran: rewritten storages keep their value, new ones fail.
+                for (_, _, _, storage) in &entries {
+                    if storage.is_written() {
+                        storage.clear_lazy();
+                    } else {
+                        storage.fail_flushed(&e);
+                    }
+                }
+                return Err(e);
+            }
+        }
         let bufs = exe.execute_donating(&refs, &keep)?;
         self.metrics
             .executions
@@ -486,12 +500,63 @@ impl Runtime {
             .donated_buffers
             .fetch_add(donated as u64, std::sync::atomic::Ordering::Relaxed);
         self.metrics.flushed(graph.ops, reason);
-        let bufs: Vec<Arc<pjrt::Buffer>> = bufs.into_iter().map(Arc::new).collect();
+        let mut bufs: Vec<Arc<pjrt::Buffer>> = bufs.into_iter().map(Arc::new).collect();
         self.track("deferred graph", &bufs);
+        let check_bufs = bufs.split_off(entries.len());
+        if let Some(e) = self.failed_checks(
+            graph.checks.iter().map(|c| (c.1, c.2.as_str())),
+            &check_bufs,
+        )? {
+            // Every value the graph computed may rest on a clamped index: none is kept.
+            // Storages the graph rewrote keep their old value unless it was donated.
+            let donated: Vec<usize> = aliased
+                .iter()
+                .zip(&aliased_entries)
+                .filter(|(i, _)| !keep.contains(&(**i as i64)))
+                .map(|(_, j)| *j)
+                .collect();
+            for (j, (_, _, _, storage)) in entries.iter().enumerate() {
+                if storage.is_written() && !donated.contains(&j) {
+                    storage.clear_lazy();
+                } else {
+                    storage.fail_flushed(&e);
+                }
+            }
+            return Err(e);
+        }
         for ((_, _, dtype, storage), buf) in entries.into_iter().zip(bufs) {
             storage.set_flushed(buf, dtype);
         }
         Ok(())
+    }
+
+    /// The executable of `graph` returning `outs` (its aliases as set now), from the
+    /// structure cache or compiled.
+    fn graph_program(
+        &self,
+        device: usize,
+        graph: &Graph,
+        outs: &[Value],
+    ) -> Result<Arc<pjrt::Executable>> {
+        let key = (device, graph.b.finish(outs));
+        if let Some(e) = lock(&self.defer.programs).get(&key).cloned() {
+            self.metrics
+                .cache_hits
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return Ok(e);
+        }
+        self.metrics
+            .cache_misses
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mlir = graph.module(outs);
+        let exe = Arc::new(self.compile(&mlir, device, true).map_err(|e| {
+            Error::runtime(format!(
+                "XLA failed to compile a deferred graph of {} ops: {}",
+                graph.ops, e.msg
+            ))
+        })?);
+        lock(&self.defer.programs).insert(key, exe.clone());
+        Ok(exe)
     }
 
     /// Flushes every device.
@@ -513,6 +578,8 @@ pub struct Captured {
     input_writes: Vec<(usize, DType)>,
     /// Program parameters whose buffer may be donated to the value written back.
     aliased: Vec<usize>,
+    /// The last outputs: data checks, verified at the next synchronization or host read.
+    checks: Vec<(ErrorKind, String)>,
     pub device: usize,
     pub mlir: String,
 }
@@ -628,9 +695,13 @@ impl Runtime {
                 None => rest.push((v, dt, storage)),
             }
         }
+        // Then the data checks, then the other live values (which replays do not produce).
+        results.extend(graph.checks.iter().map(|c| c.0));
         for (v, _, _) in &rest {
             results.push(*v);
         }
+        let checks: Vec<(ErrorKind, String)> =
+            graph.checks.iter().map(|c| (c.1, c.2.clone())).collect();
         let mlir = graph.module(&results);
         let cached = lock(&d.programs).get(&(device, mlir.clone())).cloned();
         let exe = match cached {
@@ -687,6 +758,7 @@ impl Runtime {
                 unsafe { &*p }.set_flushed(buf, *dt);
             }
         }
+        self.defer_checks(&checks, it.by_ref().take(checks.len()).collect());
         for ((_, dt, storage), buf) in rest.iter().zip(it) {
             storage.set_flushed(buf, *dt);
         }
@@ -697,6 +769,7 @@ impl Runtime {
                 outputs: out_meta,
                 input_writes,
                 aliased,
+                checks,
                 device,
                 mlir,
             },
@@ -725,6 +798,67 @@ impl Runtime {
     pub fn release_captured(&self, c: &Captured) {
         lock(&self.defer.programs)
             .retain(|_, e| !(Arc::ptr_eq(e, &c.exe) && Arc::strong_count(e) == 2));
+    }
+
+    /// Strict mode's replay: queues the graph on the worker behind the ops issued before it,
+    /// writing `outs` (storages of the outputs Python allocated) and the rewritten inputs;
+    /// returns at once, like an op.
+    pub fn replay_queued(
+        &self,
+        c: &Captured,
+        inputs: &[*const Storage],
+        outs: &[*const Storage],
+        gen: *mut i64,
+    ) -> Result<()> {
+        if outs.len() != c.outputs.len() {
+            return Err(Error::runtime("compiled graph: output count mismatch"));
+        }
+        let mut job_inputs = Vec::with_capacity(c.params.len());
+        for p in &c.params {
+            job_inputs.push(match p {
+                Param_::Input(i, dt) => {
+                    let s = inputs
+                        .get(*i)
+                        .ok_or_else(|| Error::runtime("compiled graph: missing input"))?;
+                    // SAFETY: the caller holds the inputs alive.
+                    let s = unsafe { Storage::share(*s) };
+                    if s.is_lazy() {
+                        self.flush(s.device, "read")?;
+                    }
+                    crate::worker::JobIn::Storage(s, *dt)
+                }
+                Param_::Const(b) => crate::worker::JobIn::Buf(b.clone()),
+                Param_::Rng(n) => {
+                    crate::worker::JobIn::Buf(crate::rng_input(self, Some(gen), c.device, *n)?)
+                }
+            });
+        }
+        // SAFETY (both): the caller holds inputs and outputs alive.
+        let mut targets: Vec<(Arc<Storage>, DType)> = outs
+            .iter()
+            .zip(&c.outputs)
+            .map(|(s, (dt, _))| (unsafe { Storage::share(*s) }, *dt))
+            .collect();
+        for (i, dt) in &c.input_writes {
+            targets.push((unsafe { Storage::share(inputs[*i]) }, *dt));
+        }
+        let worker: &'static crate::worker::Worker = &crate::get()?.worker;
+        worker.submit(|seq| {
+            for (s, _) in &targets {
+                s.mark_pending(seq);
+            }
+            crate::worker::Job {
+                op: "compiled graph".to_string(),
+                work: crate::worker::Work::Graph {
+                    exe: c.exe.clone(),
+                    aliased: c.aliased.clone(),
+                    checks: c.checks.clone(),
+                },
+                inputs: job_inputs,
+                new_outputs: c.outputs.len(),
+                outputs: targets,
+            }
+        })
     }
 
     pub fn replay(
@@ -787,6 +921,7 @@ impl Runtime {
             // SAFETY: the caller holds the inputs alive.
             unsafe { &*inputs[*i] }.set(buf, *dt)?;
         }
+        self.defer_checks(&c.checks, it.take(c.checks.len()).collect());
         Ok(handles)
     }
 }

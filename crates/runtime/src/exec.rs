@@ -15,7 +15,7 @@ use stablehlo::{Builder, DType, TensorType, Value};
 use crate::layout::{self, View};
 use crate::storage::Storage;
 use crate::worker::{Job, JobIn};
-use crate::{host, Error, Result, Runtime};
+use crate::{host, Error, ErrorKind, Result, Runtime};
 
 /// Where a tensor's elements are.
 #[derive(Clone, Copy, Debug)]
@@ -106,8 +106,19 @@ pub(crate) enum Input {
 }
 
 pub(crate) enum Output {
-    New { dtype: DType, sizes: Vec<i64> },
-    Write { path: Path, dtype: DType },
+    New {
+        dtype: DType,
+        sizes: Vec<i64>,
+    },
+    Write {
+        path: Path,
+        dtype: DType,
+    },
+    /// A `pred[]` that must be true after the op ran (an index range check).
+    Check {
+        kind: ErrorKind,
+        msg: String,
+    },
 }
 
 #[derive(Clone, Copy)]
@@ -121,7 +132,7 @@ pub(crate) enum RetShape {
 pub struct Program {
     pub(crate) exe: pjrt::Executable,
     inputs: Vec<Input>,
-    outputs: Vec<Output>,
+    pub(crate) outputs: Vec<Output>,
     rets: Vec<RetShape>,
     rng_consumed: u64,
 }
@@ -480,6 +491,8 @@ pub(crate) struct Lowered {
     pub new: Vec<Value>,
     /// Final flat value of each written storage.
     pub writes: Vec<(Path, DType, Value)>,
+    /// Data-dependent conditions to verify after the op ran.
+    pub checks: Vec<lowering::Check>,
 }
 
 pub(crate) enum LowerOutcome {
@@ -586,6 +599,7 @@ pub(crate) fn lower_into(
     let rng_used = ctx.rng_state.is_some();
     let rng_consumed = ctx.rng_consumed;
     let extra_writes = std::mem::take(&mut ctx.writes);
+    let checks = std::mem::take(&mut ctx.checks);
     // Arguments the schema marks mutated (other than out=/self) must be written by the rule.
     let unmodelled = params.iter().enumerate().find(|(i, p)| {
         p.is_write
@@ -628,6 +642,7 @@ pub(crate) fn lower_into(
         rets: Vec::new(),
         new: Vec::new(),
         writes: Vec::new(),
+        checks,
     };
     if var == Variant::Functional {
         for o in &outs {
@@ -817,6 +832,13 @@ pub(crate) fn plan(
             dtype: *dtype,
         });
     }
+    for c in low.checks {
+        results.push(c.bad);
+        outputs.push(Output::Check {
+            kind: c.kind,
+            msg: c.msg,
+        });
+    }
     Ok(Plan::Done(Planned {
         b,
         results,
@@ -999,12 +1021,14 @@ fn execute_async(
                         outputs.push((s, *dtype));
                     }
                 }
+                Output::Check { .. } => {}
             }
         }
         Job {
             op: op.to_string(),
-            exe: prog.clone(),
+            work: crate::worker::Work::Op(prog.clone()),
             inputs,
+            new_outputs: new.len(),
             outputs,
         }
     })?;
@@ -1054,6 +1078,10 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
     } else {
         rt.track(op, &outs);
     }
+    // Nothing is written when a check fails: the op raises as if it never ran.
+    if let Some(e) = failed_check(rt, &prog.outputs, &outs)? {
+        return Err(e);
+    }
     let mut new = Vec::new();
     for (o, buf) in prog.outputs.iter().zip(outs) {
         match o {
@@ -1073,7 +1101,31 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
                     .expect("device tensor")
                     .set(buf, *dtype)?;
             }
+            Output::Check { .. } => {}
         }
     }
     Ok(new)
+}
+
+/// A failed check's message when it surfaces after the op: PyTorch's message first (as the
+/// CPU would raise it at the op), then which op found it.
+pub(crate) fn checked_by(msg: &str, op: &str) -> String {
+    format!("{msg}\n(found by {op}'s index check on the tpu device, read after it ran)")
+}
+
+/// The error of the first failed check among a program's outputs (`outs` parallel to
+/// `outputs`); reading a check waits for the program.
+pub(crate) fn failed_check(
+    rt: &Runtime,
+    outputs: &[Output],
+    outs: &[Arc<pjrt::Buffer>],
+) -> Result<Option<Error>> {
+    for (o, b) in outputs.iter().zip(outs) {
+        if let Output::Check { kind, msg } = o {
+            if let Some(e) = rt.check_error(b, *kind, msg)? {
+                return Ok(Some(e));
+            }
+        }
+    }
+    Ok(None)
 }

@@ -155,6 +155,8 @@ pub struct Runtime {
     scalars: Mutex<std::collections::HashMap<(usize, DType, u64), Arc<pjrt::Buffer>>>,
     /// Output buffers (and the op that made them) not yet known to be complete.
     pending: Mutex<Vec<(String, Arc<pjrt::Buffer>)>>,
+    /// Compiled graphs' data checks not yet read: (pred[] buffer, error kind, message).
+    checks: Mutex<Vec<(Arc<pjrt::Buffer>, ErrorKind, String)>>,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -211,6 +213,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         worker: worker::Worker::default(),
         scalars: Mutex::new(std::collections::HashMap::new()),
         pending: Mutex::new(Vec::new()),
+        checks: Mutex::new(Vec::new()),
     };
     mode::store(mode::from_env());
     let _ = RUNTIME.set(rt);
@@ -281,6 +284,63 @@ impl Runtime {
         Ok(v)
     }
 
+    /// The error of the first false check (`bufs` parallel to `checks`); waits for them.
+    pub(crate) fn failed_checks<'a>(
+        &self,
+        checks: impl IntoIterator<Item = (ErrorKind, &'a str)>,
+        bufs: &[Arc<pjrt::Buffer>],
+    ) -> Result<Option<Error>> {
+        for ((kind, msg), b) in checks.into_iter().zip(bufs) {
+            if let Some(e) = self.check_error(b, kind, msg)? {
+                return Ok(Some(e));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Reads one check's value (see `lowering::Check`): its error, if it failed.
+    pub(crate) fn check_error(
+        &self,
+        buf: &pjrt::Buffer,
+        kind: ErrorKind,
+        msg: &str,
+    ) -> Result<Option<Error>> {
+        let v = self.download(buf)?;
+        let bad = i64::from_le_bytes(
+            v.get(..8)
+                .and_then(|s| s.try_into().ok())
+                .ok_or_else(|| Error::runtime("malformed index check"))?,
+        );
+        Ok(lowering::Check::error(kind, msg, bad).map(|(k, m)| Error::new(k, m)))
+    }
+
+    /// Keeps a compiled graph's check results to verify at the next synchronization or
+    /// host read, so that replays stay asynchronous.
+    pub(crate) fn defer_checks(
+        &self,
+        checks: &[(ErrorKind, String)],
+        bufs: Vec<Arc<pjrt::Buffer>>,
+    ) {
+        if checks.is_empty() {
+            return;
+        }
+        let mut c = self.checks.lock().unwrap_or_else(|e| e.into_inner());
+        for ((kind, msg), b) in checks.iter().zip(bufs) {
+            c.push((b, *kind, msg.clone()));
+        }
+    }
+
+    /// Reads the deferred checks; raises the first that failed (each is reported once).
+    pub(crate) fn verify_checks(&self) -> Result<()> {
+        let pending = std::mem::take(&mut *self.checks.lock().unwrap_or_else(|e| e.into_inner()));
+        for (b, kind, msg) in pending {
+            if let Some(e) = self.check_error(&b, kind, &msg)? {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     pub(crate) fn track(&self, op: &str, bufs: &[Arc<pjrt::Buffer>]) {
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
         p.extend(bufs.iter().map(|b| (op.to_string(), b.clone())));
@@ -301,6 +361,7 @@ impl Runtime {
     pub fn synchronize(&self) -> Result<()> {
         self.flush_all("synchronize")?;
         self.worker.synchronize()?;
+        self.verify_checks()?;
         let bufs = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
         for (op, b) in bufs {
             b.ready().map_err(|e| {

@@ -25,7 +25,7 @@ struct Inner {
     /// The flat buffer and its element type; None until first written.
     buf: Option<(Arc<pjrt::Buffer>, DType)>,
     /// The failure of the async op that should have written it.
-    poison: Option<String>,
+    poison: Option<Error>,
 }
 
 impl Storage {
@@ -108,14 +108,21 @@ impl Storage {
     }
 
     /// The worker's job `seq` failed: readers get its error instead of a value.
-    pub(crate) fn poison(&self, seq: u64, msg: &str) {
-        self.lock().poison = Some(msg.to_string());
+    pub(crate) fn poison(&self, seq: u64, e: &Error) {
+        self.lock().poison = Some(e.clone());
         let _ = self
             .pending
             .compare_exchange(seq, 0, Ordering::AcqRel, Ordering::Acquire);
     }
 
-    pub(crate) fn poisoned(&self) -> Option<String> {
+    /// The worker's job `seq` will not write it after all: it keeps its value.
+    pub(crate) fn unpend(&self, seq: u64) {
+        let _ = self
+            .pending
+            .compare_exchange(seq, 0, Ordering::AcqRel, Ordering::Acquire);
+    }
+
+    pub(crate) fn poisoned(&self) -> Option<Error> {
         self.lock().poison.clone()
     }
 
@@ -129,8 +136,13 @@ impl Storage {
         if seq != 0 {
             crate::get()?.worker.wait_for(seq);
         }
+        // A compiled graph's out-of-range index must not go unnoticed past a host read.
+        crate::get()?.verify_checks()?;
         match self.poisoned() {
-            Some(msg) => Err(Error::runtime(msg)),
+            Some(e) => {
+                crate::get()?.worker.reported(&e);
+                Err(e)
+            }
             None => Ok(()),
         }
     }
@@ -152,7 +164,22 @@ impl Storage {
 
     /// Stores a flushed graph's output (the graph holds its lock).
     pub(crate) fn set_flushed(&self, buf: Arc<pjrt::Buffer>, dtype: DType) {
-        self.lock().buf = Some((buf, dtype));
+        {
+            let mut g = self.lock();
+            g.buf = Some((buf, dtype));
+            g.poison = None;
+        }
+        self.lazy.store(false, Ordering::Release);
+    }
+
+    /// Whether it holds a value (a buffer), pending writes aside.
+    pub(crate) fn is_written(&self) -> bool {
+        self.lock().buf.is_some()
+    }
+
+    /// A flushed graph failed before producing its value: readers get the error.
+    pub(crate) fn fail_flushed(&self, e: &Error) {
+        self.lock().poison = Some(e.clone());
         self.lazy.store(false, Ordering::Release);
     }
 

@@ -23,19 +23,35 @@ pub(crate) enum JobIn {
     Storage(Arc<Storage>, DType),
 }
 
+/// What a job runs.
+pub(crate) enum Work {
+    /// One op's program (its outputs say which results are checks).
+    Op(Arc<crate::exec::Program>),
+    /// A compiled graph: its inputs at `aliased` are donated when nothing but their storage
+    /// holds them; `checks` are its results after the storages' ones.
+    Graph {
+        exe: Arc<pjrt::Executable>,
+        aliased: Vec<usize>,
+        checks: Vec<(crate::ErrorKind, String)>,
+    },
+}
+
 pub(crate) struct Job {
     pub op: String,
-    pub exe: Arc<crate::exec::Program>,
+    pub work: Work,
     pub inputs: Vec<JobIn>,
-    /// Where each program output goes, in order.
+    /// Where each program output goes, in order: new tensors first, then in-place
+    /// targets; the program's check outputs (if any) follow.
     pub outputs: Vec<(Arc<Storage>, DType)>,
+    /// How many of `outputs` are new tensors.
+    pub new_outputs: usize,
 }
 
 struct State {
     jobs: VecDeque<(u64, Job)>,
     enqueued: u64,
     /// The first failure not yet reported by `synchronize`.
-    error: Option<String>,
+    error: Option<Error>,
     started: bool,
 }
 
@@ -126,8 +142,17 @@ impl Worker {
     pub fn synchronize(&self) -> Result<()> {
         self.drain();
         match lock(&self.state).error.take() {
-            Some(msg) => Err(Error::runtime(msg)),
+            Some(e) => Err(e),
             None => Ok(()),
+        }
+    }
+
+    /// A host read already raised `e` (a failed job's poisoned output): the next
+    /// synchronization does not raise it again.
+    pub(crate) fn reported(&self, e: &Error) {
+        let mut st = lock(&self.state);
+        if st.error.as_ref().is_some_and(|x| x.msg == e.msg) {
+            st.error = None;
         }
     }
 
@@ -156,12 +181,12 @@ impl Worker {
     fn run(&self) {
         loop {
             let (seq, job) = self.next_job();
-            if let Err(msg) = self.execute(seq, &job) {
+            if let Err(e) = self.execute(seq, &job) {
                 for (s, _) in &job.outputs {
-                    s.poison(seq, &msg);
+                    s.poison(seq, &e);
                 }
                 let mut st = lock(&self.state);
-                st.error.get_or_insert(msg);
+                st.error.get_or_insert(e);
             }
             drop(job);
             self.done.store(seq, Ordering::Release);
@@ -170,34 +195,78 @@ impl Worker {
         }
     }
 
-    fn execute(&self, seq: u64, job: &Job) -> std::result::Result<(), String> {
-        let rt = crate::get().map_err(|e| e.msg)?;
+    fn execute(&self, seq: u64, job: &Job) -> Result<()> {
+        let rt = crate::get()?;
+        let failed =
+            |msg: String| Error::runtime(format!("{} failed on the tpu device: {msg}", job.op));
         if let Some(msg) = injected_failure(&job.op) {
-            return Err(msg);
+            return Err(Error::runtime(msg));
         }
         let mut bufs = Vec::with_capacity(job.inputs.len());
         for i in &job.inputs {
             bufs.push(match i {
                 JobIn::Buf(b) => b.clone(),
                 JobIn::Storage(s, dt) => {
-                    if let Some(msg) = s.poisoned() {
+                    if let Some(e) = s.poisoned() {
                         // Skipped: its input came from a failed op.
-                        return Err(msg);
+                        return Err(e);
                     }
-                    s.buffer_now(rt, *dt)
-                        .map_err(|e| format!("{} failed on the tpu device: {}", job.op, e.msg))?
+                    s.buffer_now(rt, *dt).map_err(|e| failed(e.msg))?
                 }
             });
         }
         let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
-        let outs = job
-            .exe
-            .exe
-            .execute(&refs)
-            .map_err(|e| format!("{} failed on the tpu device: {}", job.op, e.message))?;
+        let mut donated = Vec::new();
+        let outs = match &job.work {
+            Work::Op(p) => p.exe.execute(&refs),
+            Work::Graph { exe, aliased, .. } => {
+                // Queue order settled every earlier reader; later jobs read the new value.
+                let (give, keep): (Vec<usize>, Vec<usize>) = aliased
+                    .iter()
+                    .partition(|i| Arc::strong_count(&bufs[**i]) <= 2);
+                donated = give;
+                let keep: Vec<i64> = keep.iter().map(|i| *i as i64).collect();
+                exe.execute_donating(&refs, &keep)
+            }
+        }
+        .map_err(|e| failed(e.message))?;
         rt.metrics.executions.fetch_add(1, Ordering::Relaxed);
-        let outs: Vec<Arc<pjrt::Buffer>> = outs.into_iter().map(Arc::new).collect();
+        rt.metrics
+            .donated_buffers
+            .fetch_add(donated.len() as u64, Ordering::Relaxed);
+        let mut outs: Vec<Arc<pjrt::Buffer>> = outs.into_iter().map(Arc::new).collect();
         rt.track(&job.op, &outs);
+        let check = match &job.work {
+            Work::Op(p) => crate::exec::failed_check(rt, &p.outputs, &outs),
+            Work::Graph { checks, .. } => {
+                let cbufs = outs.split_off(job.outputs.len().min(outs.len()));
+                rt.failed_checks(checks.iter().map(|c| (c.0, c.1.as_str())), &cbufs)
+            }
+        }
+        .map_err(|e| failed(e.msg))?;
+        if let (Some(e), false) = (&check, donated.is_empty()) {
+            // A donated input's old value is gone: every target fails.
+            let e = Error::new(e.kind, crate::exec::checked_by(&e.msg, &job.op));
+            for (s, _) in &job.outputs {
+                s.poison(seq, &e);
+            }
+            lock(&self.state).error.get_or_insert(e);
+            return Ok(());
+        }
+        if let Some(e) = check {
+            // The op did not happen: in-place targets keep their value, new tensors (and
+            // so the ops that read them) fail, and the next synchronization raises.
+            let e = Error::new(e.kind, crate::exec::checked_by(&e.msg, &job.op));
+            for (i, (s, _)) in job.outputs.iter().enumerate() {
+                if i < job.new_outputs {
+                    s.poison(seq, &e);
+                } else {
+                    s.unpend(seq);
+                }
+            }
+            lock(&self.state).error.get_or_insert(e);
+            return Ok(());
+        }
         for ((s, dt), b) in job.outputs.iter().zip(outs) {
             s.fill(seq, b, *dt);
         }

@@ -51,7 +51,7 @@ fn programs() -> std::sync::MutexGuard<'static, BTreeMap<usize, Arc<Entry>>> {
 }
 
 fn err(e: runtime::Error) -> PyErr {
-    PyRuntimeError::new_err(e.msg)
+    crate::py_err(e)
 }
 
 fn rt() -> PyResult<&'static runtime::Runtime> {
@@ -179,6 +179,14 @@ fn replay(py: Python<'_>, id: usize, inputs: Vec<usize>, outs: Vec<usize>) -> Py
     let e = entry(id)?;
     let rt = rt()?;
     let dev = e.captured.device;
+    if runtime::mode::get() == runtime::mode::EagerMode::Strict {
+        // Asynchronous like an op: the worker runs it in issue order.
+        let ins: Vec<*const Storage> = inputs.iter().map(|h| *h as *const Storage).collect();
+        let outs: Vec<*const Storage> = outs.iter().map(|h| *h as *const Storage).collect();
+        return rt
+            .replay_queued(&e.captured, &ins, &outs, gen_state(dev))
+            .map_err(err);
+    }
     let handles = py.allow_threads(|| {
         let ins: Vec<*const Storage> = inputs.iter().map(|h| *h as *const Storage).collect();
         rt.replay(&e.captured, &ins, gen_state(dev))

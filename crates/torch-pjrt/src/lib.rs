@@ -57,6 +57,19 @@ pub(crate) fn warn(msg: &str) {
     });
 }
 
+/// The Python exception PyTorch would raise for `e` (an index checked on the device raises
+/// IndexError at the synchronization that finds it, as it would on the CPU at the op).
+pub(crate) fn py_err(e: runtime::Error) -> PyErr {
+    use pyo3::exceptions::{PyIndexError, PyNotImplementedError, PyTypeError, PyValueError};
+    match e.kind {
+        runtime::ErrorKind::Index => PyIndexError::new_err(e.msg),
+        runtime::ErrorKind::Value => PyValueError::new_err(e.msg),
+        runtime::ErrorKind::Type => PyTypeError::new_err(e.msg),
+        runtime::ErrorKind::NotImplemented => PyNotImplementedError::new_err(e.msg),
+        runtime::ErrorKind::Runtime => PyRuntimeError::new_err(e.msg),
+    }
+}
+
 fn rt() -> PyResult<&'static runtime::Runtime> {
     runtime::get().map_err(|e| PyRuntimeError::new_err(e.msg))
 }
@@ -114,8 +127,7 @@ fn current_device() -> i32 {
 #[pyfunction]
 fn synchronize(py: Python<'_>) -> PyResult<()> {
     let rt = rt()?;
-    py.allow_threads(|| rt.synchronize())
-        .map_err(|e| PyRuntimeError::new_err(e.msg))
+    py.allow_threads(|| rt.synchronize()).map_err(py_err)
 }
 
 #[pyfunction]
@@ -273,8 +285,7 @@ fn set_eager_mode(py: Python<'_>, mode: u8) -> PyResult<()> {
         pyo3::exceptions::PyValueError::new_err(format!("unknown eager mode {mode}"))
     })?;
     let rt = rt()?;
-    py.allow_threads(|| rt.set_mode(m))
-        .map_err(|e| PyRuntimeError::new_err(e.msg))
+    py.allow_threads(|| rt.set_mode(m)).map_err(py_err)
 }
 
 /// Names of the ops with a native lowering rule.

@@ -3,13 +3,14 @@
 //! index_add/copy/fill/reduce, put, and slice/select/diagonal scatter (+ the backward ops of
 //! those views).
 //!
-//! Index values are never range-checked: PyTorch raises IndexError for an out-of-range
-//! index, which here would cost a device-to-host sync per op. XLA's gather clamps start
-//! indices into range and its scatter drops out-of-range updates, so a bad index gives
-//! unspecified values, never a crash. Every check that needs only shapes and dtypes raises
-//! PyTorch's own error. Errors that depend on index values in other ways (a non-empty index
-//! into an empty dimension) decline, so the CPU fallback raises them; so do boolean mask
-//! indices (data-dependent result shape).
+//! Index values are range-checked on the device (`Ctx::check_range`): XLA's gather clamps
+//! start indices into range and its scatter drops out-of-range updates, where PyTorch
+//! raises. The runtime reads the check after the op (Debug), in the worker (Strict: the
+//! next synchronization raises), after the flush (DeferAndFuse) or at the next host read
+//! (compiled graphs), and raises PyTorch's error type and message. Every check that needs
+//! only shapes and dtypes raises at dispatch. Errors that depend on index values in other
+//! ways (a non-empty index into an empty dimension) decline, so the CPU fallback raises
+//! them; so do boolean mask indices (data-dependent result shape).
 //!
 //! All index arithmetic is in i64. Ops with duplicate indices and no combiner (scatter,
 //! index_put without accumulate, index_copy, put) keep one of the writes, as PyTorch does
@@ -91,6 +92,11 @@ fn wrap_neg(b: &mut Builder, i: Value, size: i64) -> Value {
     let n = b.splat(i, size as f64);
     let w = b.add(i, n);
     b.select(neg, w, i)
+}
+
+/// PyTorch's message for an index outside `[0, size)` (or `[-size, size)`) of `dim`.
+fn out_of_bounds(dim: usize, size: i64) -> String {
+    format!("index {{index}} is out of bounds for dimension {dim} with size {size}")
 }
 
 /// Full coordinates `[S..., rank]` of the elements an index tensor `idx` (shape S, i64)
@@ -347,6 +353,13 @@ fn index_select(c: &mut Ctx) -> LResult<Vec<Out>> {
             "index_select(): self indexing axis dim should be positive",
         );
     }
+    c.check_range(
+        index.value,
+        0,
+        t.shape[dim],
+        IndexErr,
+        "index out of range in self".into(),
+    );
     let b = &mut *c.b;
     let idx = b.convert(index.value, DType::I64);
     Ok(vec![Out::T(select_rows(b, t.value, dim, idx))])
@@ -402,6 +415,13 @@ fn gather(c: &mut Ctx) -> LResult<Vec<Out>> {
         return decline("gather from an empty dimension (PyTorch raises an index error)");
     }
     supported(t.dtype)?;
+    c.check_range(
+        index.value,
+        0,
+        ts[dim],
+        Runtime,
+        out_of_bounds(dim, ts[dim]),
+    );
     let b = &mut *c.b;
     let x = b.reshape(t.value, &ts);
     let i = b.convert(index.value, DType::I64);
@@ -428,10 +448,12 @@ fn take(c: &mut Ctx) -> LResult<Vec<Out>> {
         return user_err(IndexErr, "take(): tried to take from an empty tensor");
     }
     supported(t.dtype)?;
-    let b = &mut *c.b;
     if m == 0 {
-        return Ok(vec![Out::T(zeros(b, t.dtype, &index.shape))]);
+        return Ok(vec![Out::T(zeros(c.b, t.dtype, &index.shape))]);
     }
+    let msg = format!("out of range: tried to access index {{index}} on a tensor of {n} elements.");
+    c.check_range(index.value, -n, n, IndexErr, msg);
+    let b = &mut *c.b;
     let flat = b.reshape(t.value, &[n]);
     let i = wrap_neg(b, index.value, n);
     let mut cs = index.shape.clone();
@@ -461,6 +483,13 @@ fn embedding(c: &mut Ctx) -> LResult<Vec<Out>> {
     }
     check_embedding_indices(&idx, "#1", "embedding")?;
     supported(w.dtype)?;
+    c.check_range(
+        idx.value,
+        0,
+        w.shape[0],
+        IndexErr,
+        "index out of range in self".into(),
+    );
     let b = &mut *c.b;
     let i = b.convert(idx.value, DType::I64);
     let i = b.reshape(i, &[numel(&idx.shape)]);
@@ -699,6 +728,13 @@ fn scatter_impl(c: &mut Ctx, src: Src, reduce: Option<&str>, new_names: bool) ->
     if mode == Mode::Mean && t.dtype == DType::Bool {
         return decline("scatter_reduce mean of bool (not implemented by PyTorch)");
     }
+    c.check_range(
+        index.value,
+        0,
+        ts[dim],
+        Runtime,
+        out_of_bounds(dim, ts[dim]),
+    );
     let b = &mut *c.b;
     let upd = match src {
         Src::T(s) => {
@@ -804,6 +840,11 @@ fn advanced(c: &mut Ctx, t: &TensorArg, indices: &[Option<TensorArg>]) -> LResul
         return user_err(IndexErr, "index is out of bounds for dimension with size 0");
     }
     let nb = bshape.len();
+    // PyTorch numbers the dimension among the index tensors given.
+    for (k, (p, i)) in given.iter().enumerate() {
+        let size = t.shape[*p];
+        c.check_range(i.value, -size, size, IndexErr, out_of_bounds(k, size));
+    }
     let b = &mut *c.b;
     let mut col_shape = bshape.clone();
     col_shape.push(1);
@@ -1229,10 +1270,12 @@ fn index_add(c: &mut Ctx) -> LResult<Vec<Out>> {
     index_func_checks("index_add", &t, dim, &index, &src)?;
     supported(t.dtype)?;
     let alpha = c.args.opt_scalar("alpha").unwrap_or(Scalar::Int(1));
-    let b = &mut *c.b;
     if numel(&index.shape) == 0 || numel(&t.shape) == 0 {
         return Ok(vec![Out::T(t.value)]);
     }
+    let size = nonempty(&t.shape)[dim];
+    c.check_range(index.value, 0, size, Runtime, out_of_bounds(dim, size));
+    let b = &mut *c.b;
     let (x, i, s) = index_operands(b, &t, &index, &src);
     let r = widened(b, x, s, true, |b, x, mut s| {
         if alpha.as_f64() != 1.0 {
@@ -1266,10 +1309,18 @@ fn index_reduce(c: &mut Ctx) -> LResult<Vec<Out>> {
         return decline("index_reduce of bool (not implemented by PyTorch)");
     }
     let include_self = c.args.bool_or("include_self", true);
-    let b = &mut *c.b;
     if numel(&index.shape) == 0 || numel(&t.shape) == 0 {
         return Ok(vec![Out::T(t.value)]);
     }
+    let size = nonempty(&t.shape)[dim];
+    c.check_range(
+        index.value,
+        0,
+        size,
+        IndexErr,
+        "index out of range in self".into(),
+    );
+    let b = &mut *c.b;
     let (x, i, s) = index_operands(b, &t, &index, &src);
     let r = reduce_into(b, x, s, mode, include_self, &|b, x, u, how| {
         dim_scatter(b, x, dim, i, u, how)
@@ -1359,10 +1410,13 @@ fn index_copy(c: &mut Ctx) -> LResult<Vec<Out>> {
         );
     }
     supported(t.dtype)?;
-    let b = &mut *c.b;
     if n == 0 || numel(&t.shape) == 0 {
         return Ok(vec![Out::T(t.value)]);
     }
+    let size = nonempty(&t.shape)[dim];
+    let msg = format!("index_copy_(): {}", out_of_bounds(dim, size));
+    c.check_range(index.value, 0, size, IndexErr, msg);
+    let b = &mut *c.b;
     let (x, i, s) = index_operands(b, &t, &index, &src);
     // A 0-d source into a 1-d self is one slice of size 1.
     let s = b.reshape(s, &{
@@ -1398,12 +1452,13 @@ fn index_fill(c: &mut Ctx) -> LResult<Vec<Out>> {
     supported(t.dtype)?;
     let v = fill_value(c, "value", t.dtype, "index_fill_")?;
     let n = numel(&index.shape);
-    let b = &mut *c.b;
     if n == 0 || numel(&t.shape) == 0 {
         return Ok(vec![Out::T(t.value)]);
     }
     let ts = nonempty(&t.shape);
     let size = ts[dim];
+    c.check_range(index.value, -size, size, IndexErr, out_of_bounds(dim, size));
+    let b = &mut *c.b;
     // Mark the filled positions along `dim`, then select.
     let i = b.reshape(index.value, &[n]);
     let i = wrap_neg(b, i, size);
@@ -1458,10 +1513,13 @@ fn put(c: &mut Ctx) -> LResult<Vec<Out>> {
         );
     }
     supported(t.dtype)?;
-    let b = &mut *c.b;
     if n == 0 {
         return Ok(vec![Out::T(t.value)]);
     }
+    let msg =
+        format!("out of range: tried to access index {{index}} on a tensor of {tn} elements.");
+    c.check_range(index.value, -tn, tn, IndexErr, msg);
+    let b = &mut *c.b;
     let flat = b.reshape(t.value, &[tn]);
     let i = b.reshape(index.value, &[n]);
     let i = wrap_neg(b, i, tn);

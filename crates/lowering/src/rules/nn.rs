@@ -1130,6 +1130,21 @@ fn nll_loss(c: &mut Ctx, two_d: bool) -> LResult<Vec<Out>> {
     let ignore = c.args.int("ignore_index")?;
     let cd = nll_check(c, &x, &t, w.as_ref(), two_d)?;
     let b = &mut *c.b;
+    // Targets outside [0, classes) other than ignore_index raise, as on the CPU.
+    let ti = b.convert(t.value, DType::I64);
+    let ii = b.splat(ti, ignore as f64);
+    let ignored = b.compare(ti, ii, CmpDir::Eq);
+    let zero = b.splat(ti, 0.0);
+    let checked = b.select(ignored, zero, ti);
+    let classes = x.shape[cd];
+    c.check_range(
+        checked,
+        0,
+        classes,
+        ErrorKind::Index,
+        "Target {index} is out of bounds.".into(),
+    );
+    let b = &mut *c.b;
     if x.shape.len() == 1 {
         t.value = b.reshape(t.value, &[]);
         t.shape = vec![];
