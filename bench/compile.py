@@ -18,7 +18,9 @@ PyTorch CPU eager for reference. The compiled configurations compile the forward
 Each configuration runs in its own process. "first step" is that process's first step,
 run while the other processes wait: the configuration's own cold start (tracing, compilation
 against empty compilation caches unless --warm-caches, and the step). Then the processes take
-turns, one block of BLOCK steps each, so that all configurations see the same machine load;
+turns, one block of BLOCK steps each, so that all configurations see the same machine load,
+with a 0.1 s pause between turns (the previous process's threads, OpenMP's spinning ones
+included, go idle first: without it every configuration measured 1-1.5 ms slower);
 a block runs its steps back to back and ends with ``torch.tpu.synchronize()`` on tpu
 (``.item()`` waits for the loss only: the optimizer update may still be queued, and must not
 run in the next configuration's turn); "ms/step" is the median over the blocks after warm-up
@@ -202,6 +204,9 @@ def measure(model_name, warmup, reps, threads, tmp, warm_caches):
         times = {c: [] for c in CONFIGS}
         for i in range(warmup + reps):
             for c, proc in procs.items():
+                # The previous turn's idle threads (OpenMP spins after a parallel region)
+                # must not take the cores from this one.
+                time.sleep(0.1)
                 r = proc.ask("block")
                 if r and i >= warmup:
                     times[c].append(r["ms"])

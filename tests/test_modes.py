@@ -254,6 +254,37 @@ def test_strict_async_failure_surfaces_at_next_sync():
     assert lines[3] == "D [2.0, 2.0, 2.0]" and lines[4] == "CLEAN", out.stdout
 
 
+COMPILED_ASYNC_FAILURE = (
+    "import torch, torch_pjrt\n"
+    "f = torch.compile(lambda x: (x * 2).sum(), backend='tpu')\n"
+    "x = torch.ones(3, device='tpu')\n"
+    "print('FIRST', f(x).item())\n"  # captured and run at once: not a replay
+    "y = f(x)\n"  # a replay: queued on the worker, fails there (injected)
+    "z = y + 1\n"
+    "print('DISPATCHED')\n"
+    "try:\n"
+    "    torch.tpu.synchronize()\n"
+    "    print('NO ERROR')\n"
+    "except RuntimeError as e:\n"
+    "    print('SYNC', e)\n"
+    "try:\n"
+    "    z.cpu()\n"
+    "except RuntimeError as e:\n"
+    "    print('READ', e)\n"
+    "print('X', x.cpu().tolist())\n"
+)
+
+
+def test_strict_compiled_replay_is_queued_and_its_failure_surfaces_at_sync():
+    out = _run_subprocess(COMPILED_ASYNC_FAILURE, TORCH_PJRT_INJECT_FAILURE="compiled graph",
+                          TORCH_TPU_DEFER_AND_FUSE="0", TORCH_TPU_LAUNCH_BLOCKING="0")
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["FIRST 6.0", "DISPATCHED"], out.stdout + out.stderr
+    assert lines[2].startswith("SYNC compiled graph failed on the tpu device"), out.stdout
+    assert lines[3].startswith("READ compiled graph failed"), out.stdout
+    assert lines[4] == "X [1.0, 1.0, 1.0]", out.stdout
+
+
 def test_debug_failure_raises_at_the_op():
     code = (
         "import torch, torch_pjrt\n"
