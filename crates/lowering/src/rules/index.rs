@@ -1096,7 +1096,12 @@ fn check_bool_mask(mask: &TensorArg, op: &str) -> LResult<()> {
             Runtime,
             format!(
                 "{op} only supports boolean masks, but got mask with dtype {}",
-                cpp_name(mask.dtype)
+                // PyTorch's two kernels print the dtype differently.
+                if op.starts_with("masked_scatter") {
+                    torch_name(mask.dtype)
+                } else {
+                    cpp_name(mask.dtype)
+                }
             ),
         );
     }

@@ -124,6 +124,17 @@ fn bmm(c: &mut Ctx, mats: (&str, &str)) -> LResult<Vec<Out>> {
 }
 
 fn dot(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let (a, b) = (c.args.tensor("self")?.dtype, c.args.tensor("tensor")?.dtype);
+    if a != b {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "dot : expected both vectors to have same dtype, but found {} and {}",
+                crate::promote::torch_name(a),
+                crate::promote::torch_name(b)
+            ),
+        );
+    }
     let (x, y, dt) = pair(c, "self", "tensor")?;
     let (sx, sy) = (c.b.shape(x), c.b.shape(y));
     if sx.len() != 1 || sy.len() != 1 {

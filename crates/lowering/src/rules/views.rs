@@ -94,6 +94,26 @@ fn roll(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = c.args.tensor("self")?.clone();
     let shifts = c.args.ints("shifts")?;
     let dims = c.args.ints("dims").unwrap_or_default();
+    if shifts.is_empty() {
+        return user_err(ErrorKind::Runtime, "`shifts` required");
+    }
+    if dims.is_empty() && shifts.len() != 1 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "shifts and dimensions must align. shifts: {}, dims:0",
+                shifts.len()
+            ),
+        );
+    }
+    if t.shape.is_empty() {
+        if let Some(d) = dims.first() {
+            return user_err(
+                ErrorKind::Index,
+                format!("Dimension specified as {d} but tensor has no dimensions"),
+            );
+        }
+    }
     let b = &mut *c.b;
     if dims.is_empty() {
         // Roll the flattened tensor.
