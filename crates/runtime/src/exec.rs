@@ -363,6 +363,9 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
     if ts.iter().any(|(_, t)| t.dtype.is_none()) {
         return Ok(Outcome::Declined(format!("{op}: unsupported dtype")));
     }
+    if var == Variant::Out {
+        check_out_overlap(params)?;
+    }
     if let (Variant::Functional, Some(host_op)) = (var, crate::datadep::find(op)) {
         let rets = host_op(rt, params)?;
         rt.metrics.native(op);
@@ -509,6 +512,50 @@ pub(crate) fn find_rule(op: &str, var: Variant) -> Option<lowering::Rule> {
             None
         }
     })
+}
+
+/// PyTorch's memory-overlap checks on out= tensors: no element written twice, and no input
+/// sharing part (not all) of an output's memory. Layouts other than contiguous are left
+/// unchecked, as PyTorch leaves the ones it cannot decide.
+fn check_out_overlap(params: &[Param]) -> Result<()> {
+    const CLONE: &str = "Please clone() the tensor before performing the operation.";
+    let all = tensors(params);
+    let bytes = |t: &TensorRef| {
+        let size = t.dtype.map_or(1, |d| d.size() as i64);
+        (
+            t.view.offset * size,
+            (t.view.offset + t.view.numel()) * size,
+        )
+    };
+    for (po, o) in all.iter().filter(|(p, _)| params[p.0].is_out) {
+        let Loc::Device(optr) = o.loc else { continue };
+        let v = &o.view;
+        if v.sizes
+            .iter()
+            .zip(&v.strides)
+            .any(|(n, s)| *n > 1 && *s == 0)
+        {
+            return Err(Error::runtime(format!(
+                "unsupported operation: more than one element of the written-to tensor refers to a single memory location. {CLONE}"
+            )));
+        }
+        if v.numel() == 0 || !v.is_contiguous() {
+            continue;
+        }
+        for (_, i) in all.iter().filter(|(p, _)| !params[p.0].is_out && p != po) {
+            let Loc::Device(iptr) = i.loc else { continue };
+            if iptr != optr || i.view.numel() == 0 || !i.view.is_contiguous() {
+                continue;
+            }
+            let ((a0, a1), (b0, b1)) = (bytes(o), bytes(i));
+            if a0 < b1 && b0 < a1 && (a0, a1) != (b0, b1) {
+                return Err(Error::runtime(format!(
+                    "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory location. {CLONE}"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Lowers one op into `b`: reads its views, runs its rule, writes out=/in-place results.
