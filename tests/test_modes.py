@@ -222,25 +222,32 @@ def test_debug_mode_raises_at_the_op():
         assert (a + 1).sum().item() == 6
 
 
-ASYNC_FAILURE = (
-    "import torch, torch_pjrt\n"
+def _async_failure(body, dependent, last):
+    """A script: `body` issues ops (one fails on the device), then the next synchronization,
+    a read of `dependent` (computed from the failed op) and `last` report what they see."""
+    return (
+        "import torch, torch_pjrt\n" + body + "print('DISPATCHED')\n"
+        "try:\n"
+        "    torch.tpu.synchronize()\n"
+        "    print('NO ERROR')\n"
+        "except RuntimeError as e:\n"
+        "    print('SYNC', e)\n"
+        "try:\n"
+        f"    {dependent}.cpu()\n"
+        "except RuntimeError as e:\n"
+        "    print('READ', e)\n" + last
+    )
+
+
+ASYNC_FAILURE = _async_failure(
     "a = torch.ones(3, device='tpu')\n"
     "b = a * 2\n"  # fails on the device (injected)
     "c = b + 1\n"  # depends on the failed op: must not run on garbage
-    "d = a + 1\n"  # independent: fine
-    "print('DISPATCHED')\n"
-    "try:\n"
-    "    torch.tpu.synchronize()\n"
-    "    print('NO ERROR')\n"
-    "except RuntimeError as e:\n"
-    "    print('SYNC', e)\n"
-    "try:\n"
-    "    c.cpu()\n"
-    "except RuntimeError as e:\n"
-    "    print('READ', e)\n"
+    "d = a + 1\n",  # independent: fine
+    "c",
     "print('D', d.cpu().tolist())\n"
     "torch.tpu.synchronize()\n"
-    "print('CLEAN')\n"
+    "print('CLEAN')\n",
 )
 
 
@@ -254,24 +261,14 @@ def test_strict_async_failure_surfaces_at_next_sync():
     assert lines[3] == "D [2.0, 2.0, 2.0]" and lines[4] == "CLEAN", out.stdout
 
 
-COMPILED_ASYNC_FAILURE = (
-    "import torch, torch_pjrt\n"
+COMPILED_ASYNC_FAILURE = _async_failure(
     "f = torch.compile(lambda x: (x * 2).sum(), backend='tpu')\n"
     "x = torch.ones(3, device='tpu')\n"
     "print('FIRST', f(x).item())\n"  # captured and run at once: not a replay
     "y = f(x)\n"  # a replay: queued on the worker, fails there (injected)
-    "z = y + 1\n"
-    "print('DISPATCHED')\n"
-    "try:\n"
-    "    torch.tpu.synchronize()\n"
-    "    print('NO ERROR')\n"
-    "except RuntimeError as e:\n"
-    "    print('SYNC', e)\n"
-    "try:\n"
-    "    z.cpu()\n"
-    "except RuntimeError as e:\n"
-    "    print('READ', e)\n"
-    "print('X', x.cpu().tolist())\n"
+    "z = y + 1\n",
+    "z",
+    "print('X', x.cpu().tolist())\n",
 )
 
 

@@ -584,6 +584,14 @@ pub struct Captured {
     pub mlir: String,
 }
 
+/// The storage of a captured graph's input `i`.
+fn input_storage(inputs: &[*const Storage], i: usize) -> Result<*const Storage> {
+    inputs
+        .get(i)
+        .copied()
+        .ok_or_else(|| Error::runtime("compiled graph: missing input"))
+}
+
 enum Param_ {
     Input(usize, DType),
     Const(Arc<pjrt::Buffer>),
@@ -817,11 +825,8 @@ impl Runtime {
         for p in &c.params {
             job_inputs.push(match p {
                 Param_::Input(i, dt) => {
-                    let s = inputs
-                        .get(*i)
-                        .ok_or_else(|| Error::runtime("compiled graph: missing input"))?;
                     // SAFETY: the caller holds the inputs alive.
-                    let s = unsafe { Storage::share(*s) };
+                    let s = unsafe { Storage::share(input_storage(inputs, *i)?) };
                     if s.is_lazy() {
                         self.flush(s.device, "read")?;
                     }
@@ -833,14 +838,15 @@ impl Runtime {
                 }
             });
         }
-        // SAFETY (both): the caller holds inputs and outputs alive.
         let mut targets: Vec<(Arc<Storage>, DType)> = outs
             .iter()
             .zip(&c.outputs)
+            // SAFETY: the caller holds the outputs alive.
             .map(|(s, (dt, _))| (unsafe { Storage::share(*s) }, *dt))
             .collect();
         for (i, dt) in &c.input_writes {
-            targets.push((unsafe { Storage::share(inputs[*i]) }, *dt));
+            // SAFETY: the caller holds the inputs alive.
+            targets.push((unsafe { Storage::share(input_storage(inputs, *i)?) }, *dt));
         }
         let worker: &'static crate::worker::Worker = &crate::get()?.worker;
         worker.submit(|seq| {
@@ -871,11 +877,8 @@ impl Runtime {
         for p in &c.params {
             bufs.push(match p {
                 Param_::Input(i, dt) => {
-                    let s = inputs
-                        .get(*i)
-                        .ok_or_else(|| Error::runtime("compiled graph: missing input"))?;
                     // SAFETY: the caller holds the inputs alive.
-                    unsafe { &**s }.buffer_as(self, *dt)?
+                    unsafe { &*input_storage(inputs, *i)? }.buffer_as(self, *dt)?
                 }
                 Param_::Const(b) => b.clone(),
                 Param_::Rng(n) => crate::rng_input(self, Some(gen), c.device, *n)?,
