@@ -69,7 +69,7 @@ def test_error_inputs_raise_as_on_the_cpu(op):
     try:
         inputs = list(op.error_inputs("tpu"))
     except NotImplementedError as e:
-        pytest.skip(f"its error inputs cannot be made on tpu: {str(e).splitlines()[0]}")
+        pytest.skip(reason=f"its error inputs cannot be made on tpu: {str(e).splitlines()[0]}")
     torch.manual_seed(0)
     cpu = list(op.error_inputs("cpu"))
     failures = []

@@ -1167,12 +1167,13 @@ pub(crate) fn failed_check(
     outputs: &[Output],
     outs: &[Arc<pjrt::Buffer>],
 ) -> Result<Option<Error>> {
-    for (o, b) in outputs.iter().zip(outs) {
-        if let Output::Check { kind, msg } = o {
-            if let Some(e) = rt.check_error(b, *kind, msg)? {
-                return Ok(Some(e));
-            }
-        }
-    }
-    Ok(None)
+    let (checks, bufs): (Vec<_>, Vec<_>) = outputs
+        .iter()
+        .zip(outs)
+        .filter_map(|(o, b)| match o {
+            Output::Check { kind, msg } => Some(((*kind, msg.as_str()), b.clone())),
+            _ => None,
+        })
+        .unzip();
+    rt.failed_checks(checks, &bufs)
 }
