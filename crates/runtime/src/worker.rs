@@ -221,6 +221,8 @@ impl Worker {
             Work::Op(p) => p.exe.execute(&refs),
             Work::Graph { exe, aliased, .. } => {
                 // Queue order settled every earlier reader; later jobs read the new value.
+                // Finished outputs are no longer held for error reporting.
+                rt.forget_finished();
                 let (give, keep): (Vec<usize>, Vec<usize>) = aliased
                     .iter()
                     .partition(|i| Arc::strong_count(&bufs[**i]) <= 2);
