@@ -37,7 +37,7 @@ struct Graph {
     capturing: bool,
     /// A flush happened while capturing: the capture cannot be replayed.
     broken: bool,
-    /// Recorded ops' data checks (`pred[]` values), verified after the graph runs.
+    /// Recorded ops' data checks (see `lowering::Check`), verified after the graph runs.
     checks: Vec<(Value, ErrorKind, String)>,
 }
 
@@ -481,14 +481,8 @@ impl Runtime {
             if let Some(e) =
                 self.failed_checks(graph.checks.iter().map(|c| (c.1, c.2.as_str())), &cbufs)?
             {
-                // Nothing ran: rewritten storages keep their value, new ones fail.
-                for (_, _, _, storage) in &entries {
-                    if storage.is_written() {
-                        storage.clear_lazy();
-                    } else {
-                        storage.fail_flushed(&e);
-                    }
-                }
+                // Nothing ran, nothing was donated.
+                discard_flushed(&entries, &[], &e);
                 return Err(e);
             }
         }
@@ -507,21 +501,13 @@ impl Runtime {
             graph.checks.iter().map(|c| (c.1, c.2.as_str())),
             &check_bufs,
         )? {
-            // Every value the graph computed may rest on a clamped index: none is kept.
-            // Storages the graph rewrote keep their old value unless it was donated.
             let donated: Vec<usize> = aliased
                 .iter()
                 .zip(&aliased_entries)
                 .filter(|(i, _)| !keep.contains(&(**i as i64)))
                 .map(|(_, j)| *j)
                 .collect();
-            for (j, (_, _, _, storage)) in entries.iter().enumerate() {
-                if storage.is_written() && !donated.contains(&j) {
-                    storage.clear_lazy();
-                } else {
-                    storage.fail_flushed(&e);
-                }
-            }
+            discard_flushed(&entries, &donated, &e);
             return Err(e);
         }
         for ((_, _, dtype, storage), buf) in entries.into_iter().zip(bufs) {
@@ -582,6 +568,19 @@ pub struct Captured {
     checks: Vec<(ErrorKind, String)>,
     pub device: usize,
     pub mlir: String,
+}
+
+/// A flushed graph's check failed: every value it computed may rest on a clamped index, so
+/// none is kept. Storages it rewrote keep their old value unless their buffer was donated
+/// (`donated`: entry indices); the others raise `e` when read.
+fn discard_flushed(entries: &[(usize, Value, DType, Arc<Storage>)], donated: &[usize], e: &Error) {
+    for (j, (_, _, _, storage)) in entries.iter().enumerate() {
+        if storage.is_written() && !donated.contains(&j) {
+            storage.clear_lazy();
+        } else {
+            storage.fail_flushed(e);
+        }
+    }
 }
 
 /// The storage of a captured graph's input `i`.
@@ -711,15 +710,7 @@ impl Runtime {
         let checks: Vec<(ErrorKind, String)> =
             graph.checks.iter().map(|c| (c.1, c.2.clone())).collect();
         let mlir = graph.module(&results);
-        let cached = lock(&d.programs).get(&(device, mlir.clone())).cloned();
-        let exe = match cached {
-            Some(e) => e,
-            None => {
-                let e = Arc::new(self.compile(&mlir, device, true)?);
-                lock(&d.programs).insert((device, mlir.clone()), e.clone());
-                e
-            }
-        };
+        let exe = self.graph_program(device, &graph, &results)?;
         let params = graph
             .sources
             .iter()
@@ -808,10 +799,11 @@ impl Runtime {
             .retain(|_, e| !(Arc::ptr_eq(e, &c.exe) && Arc::strong_count(e) == 2));
     }
 
-    /// Strict mode's replay: queues the graph on the worker behind the ops issued before it,
-    /// writing `outs` (storages of the outputs Python allocated) and the rewritten inputs;
-    /// returns at once, like an op.
-    pub fn replay_queued(
+    /// Runs a captured graph on new inputs (same metadata as at capture), writing `outs`
+    /// (storages of the outputs Python allocated) and the rewritten inputs. In Strict mode it
+    /// is queued on the worker behind the ops issued before it and returns at once, like an
+    /// op; in Debug and DeferAndFuse it runs now.
+    pub fn replay(
         &self,
         c: &Captured,
         inputs: &[*const Storage],
@@ -821,6 +813,20 @@ impl Runtime {
         if outs.len() != c.outputs.len() {
             return Err(Error::runtime("compiled graph: output count mismatch"));
         }
+        if crate::mode::get() == crate::mode::EagerMode::Strict {
+            self.replay_queued(c, inputs, outs, gen)
+        } else {
+            self.replay_now(c, inputs, outs, gen)
+        }
+    }
+
+    fn replay_queued(
+        &self,
+        c: &Captured,
+        inputs: &[*const Storage],
+        outs: &[*const Storage],
+        gen: *mut i64,
+    ) -> Result<()> {
         let mut job_inputs = Vec::with_capacity(c.params.len());
         for p in &c.params {
             job_inputs.push(match p {
@@ -867,12 +873,13 @@ impl Runtime {
         })
     }
 
-    pub fn replay(
+    fn replay_now(
         &self,
         c: &Captured,
         inputs: &[*const Storage],
+        outs: &[*const Storage],
         gen: *mut i64,
-    ) -> Result<Handles> {
+    ) -> Result<()> {
         let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(c.params.len());
         for p in &c.params {
             bufs.push(match p {
@@ -898,7 +905,7 @@ impl Runtime {
                 .collect();
         }
         let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
-        let outs: Vec<Arc<pjrt::Buffer>> = c
+        let results: Vec<Arc<pjrt::Buffer>> = c
             .exe
             .execute_donating(&refs, &keep)?
             .into_iter()
@@ -911,13 +918,12 @@ impl Runtime {
             (c.aliased.len() - keep.len()) as u64,
             std::sync::atomic::Ordering::Relaxed,
         );
-        self.track("compiled graph", &outs);
-        let mut it = outs.into_iter();
-        let mut handles = Vec::new();
-        for (dtype, sizes) in &c.outputs {
+        self.track("compiled graph", &results);
+        let mut it = results.into_iter();
+        for (out, (dtype, _)) in outs.iter().zip(&c.outputs) {
             let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
-            let s = Storage::with_buffer(buf, *dtype, c.device);
-            handles.push((s.into_handle(), *dtype, sizes.clone()));
+            // SAFETY: the caller holds the outputs alive.
+            unsafe { &**out }.set(buf, *dtype)?;
         }
         for (i, dt) in &c.input_writes {
             let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
@@ -925,6 +931,6 @@ impl Runtime {
             unsafe { &*inputs[*i] }.set(buf, *dt)?;
         }
         self.defer_checks(&c.checks, it.take(c.checks.len()).collect());
-        Ok(handles)
+        Ok(())
     }
 }

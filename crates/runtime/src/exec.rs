@@ -114,7 +114,7 @@ pub(crate) enum Output {
         path: Path,
         dtype: DType,
     },
-    /// A `pred[]` that must be true after the op ran (an index range check).
+    /// An index range check read after the op ran (see `lowering::Check`).
     Check {
         kind: ErrorKind,
         msg: String,

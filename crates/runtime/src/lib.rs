@@ -155,7 +155,7 @@ pub struct Runtime {
     scalars: Mutex<std::collections::HashMap<(usize, DType, u64), Arc<pjrt::Buffer>>>,
     /// Output buffers (and the op that made them) not yet known to be complete.
     pending: Mutex<Vec<(String, Arc<pjrt::Buffer>)>>,
-    /// Compiled graphs' data checks not yet read: (pred[] buffer, error kind, message).
+    /// Compiled graphs' data checks not yet read: (check buffer, error kind, message).
     checks: Mutex<Vec<(Arc<pjrt::Buffer>, ErrorKind, String)>>,
 }
 

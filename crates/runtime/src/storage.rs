@@ -102,20 +102,16 @@ impl Storage {
             g.buf = Some((buf, dtype));
             g.poison = None;
         }
-        let _ = self
-            .pending
-            .compare_exchange(seq, 0, Ordering::AcqRel, Ordering::Acquire);
+        self.unpend(seq);
     }
 
     /// The worker's job `seq` failed: readers get its error instead of a value.
     pub(crate) fn poison(&self, seq: u64, e: &Error) {
         self.lock().poison = Some(e.clone());
-        let _ = self
-            .pending
-            .compare_exchange(seq, 0, Ordering::AcqRel, Ordering::Acquire);
+        self.unpend(seq);
     }
 
-    /// The worker's job `seq` will not write it after all: it keeps its value.
+    /// The worker's job `seq` is done with it (a failed check: it keeps its value).
     pub(crate) fn unpend(&self, seq: u64) {
         let _ = self
             .pending

@@ -178,21 +178,12 @@ fn take_outputs(id: usize, outs: Vec<usize>) -> PyResult<()> {
 fn replay(py: Python<'_>, id: usize, inputs: Vec<usize>, outs: Vec<usize>) -> PyResult<()> {
     let e = entry(id)?;
     let rt = rt()?;
-    let dev = e.captured.device;
-    if runtime::mode::get() == runtime::mode::EagerMode::Strict {
-        // Asynchronous like an op: the worker runs it in issue order.
+    py.allow_threads(|| {
         let ins: Vec<*const Storage> = inputs.iter().map(|h| *h as *const Storage).collect();
         let outs: Vec<*const Storage> = outs.iter().map(|h| *h as *const Storage).collect();
-        return rt
-            .replay_queued(&e.captured, &ins, &outs, gen_state(dev))
-            .map_err(err);
-    }
-    let handles = py.allow_threads(|| {
-        let ins: Vec<*const Storage> = inputs.iter().map(|h| *h as *const Storage).collect();
-        rt.replay(&e.captured, &ins, gen_state(dev))
-            .map(SendHandles)
-    });
-    deliver(handles.map_err(err)?.0, &outs)
+        rt.replay(&e.captured, &ins, &outs, gen_state(e.captured.device))
+    })
+    .map_err(err)
 }
 
 struct SendHandles(Handles);
