@@ -1,7 +1,7 @@
 //! Matrix products.
 
 use crate::shape::shape_str;
-use crate::{user_err, Builder, Ctx, ErrorKind, LResult, Out, Rule, Value};
+use crate::{user_err, Builder, Ctx, ErrorKind, LResult, Out, Rule, TensorArg, Value};
 
 use super::nn::opmath;
 use super::{common, mat, Opnd};
@@ -123,39 +123,43 @@ fn bmm(c: &mut Ctx, mats: (&str, &str)) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(c.b.convert(r, dt))])
 }
 
-fn dot(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let (a, b) = (c.args.tensor("self")?.dtype, c.args.tensor("tensor")?.dtype);
-    if a != b {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "dot : expected both vectors to have same dtype, but found {} and {}",
-                crate::promote::torch_name(a),
-                crate::promote::torch_name(b)
-            ),
-        );
-    }
-    let (x, y, dt) = pair(c, "self", "tensor")?;
-    let (sx, sy) = (c.b.shape(x), c.b.shape(y));
-    if sx.len() != 1 || sy.len() != 1 {
+/// PyTorch's argument checks of `dot` and `vdot`, in its order.
+pub(super) fn dot_checks(x: &TensorArg, y: &TensorArg) -> LResult<()> {
+    if x.shape.len() != 1 || y.shape.len() != 1 {
         return user_err(
             ErrorKind::Runtime,
             format!(
                 "1D tensors expected, but got {}D and {}D tensors",
-                sx.len(),
-                sy.len()
+                x.shape.len(),
+                y.shape.len()
             ),
         );
     }
-    if sx != sy {
+    if x.dtype != y.dtype {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "dot : expected both vectors to have same dtype, but found {} and {}",
+                crate::promote::torch_name(x.dtype),
+                crate::promote::torch_name(y.dtype)
+            ),
+        );
+    }
+    if x.shape != y.shape {
         return user_err(
             ErrorKind::Runtime,
             format!(
                 "inconsistent tensor size, expected tensor [{}] and src [{}] to have the same number of elements, but got {} and {} elements respectively",
-                sx[0], sy[0], sx[0], sy[0]
+                x.shape[0], y.shape[0], x.shape[0], y.shape[0]
             ),
         );
     }
+    Ok(())
+}
+
+fn dot(c: &mut Ctx) -> LResult<Vec<Out>> {
+    dot_checks(c.args.tensor("self")?, c.args.tensor("tensor")?)?;
+    let (x, y, dt) = pair(c, "self", "tensor")?;
     Ok(vec![Out::T(c.b.dot_general(
         x,
         y,

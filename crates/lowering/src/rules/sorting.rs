@@ -1487,35 +1487,7 @@ fn linalg_cross(c: &mut Ctx) -> LResult<Vec<Out>> {
 fn vdot(c: &mut Ctx) -> LResult<Vec<Out>> {
     let x = input(c)?;
     let y = c.args.tensor("other")?.clone();
-    if x.shape.len() != 1 || y.shape.len() != 1 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "1D tensors expected, but got {}D and {}D tensors",
-                x.shape.len(),
-                y.shape.len()
-            ),
-        );
-    }
-    if x.dtype != y.dtype {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "dot : expected both vectors to have same dtype, but found {} and {}",
-                torch_name(x.dtype),
-                torch_name(y.dtype)
-            ),
-        );
-    }
-    if x.shape != y.shape {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "inconsistent tensor size, expected tensor [{}] and src [{}] to have the same number of elements, but got {} and {} elements respectively",
-                x.shape[0], y.shape[0], x.shape[0], y.shape[0]
-            ),
-        );
-    }
+    super::linalg::dot_checks(&x, &y)?;
     if x.dtype == DType::Bool {
         return decline("vdot of bool tensors");
     }
