@@ -94,6 +94,7 @@ def test_defer_and_fuse_compiles_nothing_after_second_step(make_opt):
     counts, donated = [], []
 
     def on_step(i):
+        torch.tpu.synchronize()  # queued work (split reads) counts its donations when it runs
         m = torch_pjrt.metrics()
         counts.append(m["compilations"])
         donated.append(m["donated_buffers"])
@@ -295,3 +296,84 @@ def test_debug_failure_raises_at_the_op():
     out = _run_subprocess(code, TORCH_PJRT_INJECT_FAILURE="aten::mul",
                           TORCH_TPU_DEFER_AND_FUSE="0", TORCH_TPU_LAUNCH_BLOCKING="1")
     assert out.stdout.startswith("OP aten::mul failed on the tpu device"), out.stdout + out.stderr
+
+
+SPLIT_READS = """
+import torch, torch_pjrt
+torch.manual_seed(0)
+cpu = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+tpu = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+tpu.load_state_dict(cpu.state_dict())
+tpu = tpu.to('tpu')
+x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+xt, yt = x.to('tpu'), y.to('tpu')
+def steps(m, x, y, n, on_step=lambda: None):
+    opt = torch.optim.AdamW(m.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
+    out = []
+    for _ in range(n):
+        opt.zero_grad()
+        loss = torch.nn.functional.cross_entropy(m(x), y)
+        loss.backward()
+        opt.step()
+        sched.step()
+        out.append(loss.item())
+        on_step()
+    return out
+compiles = []
+ref = steps(cpu, x, y, 6)
+got = steps(tpu, xt, yt, 6, lambda: compiles.append(torch_pjrt.metrics()['compilations']))
+torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+m = torch_pjrt.metrics()
+print('SPLIT', m['split_flushes'] >= 6, 'COMPILES', compiles[2:] == [compiles[1]] * 4,
+      'DONATED', m['donated_buffers'] >= 6 * 4)
+# The read returned before the queued update ran: a recorded op reads the weight later,
+# and a host write in between does not change what it recorded.
+w = tpu[0].weight
+z = w * 2
+w.data.copy_(torch.zeros(32, 16))
+torch.testing.assert_close(z.cpu(), cpu[0].weight.detach() * 2, rtol=1e-4, atol=1e-6)
+torch.testing.assert_close(w.cpu(), torch.zeros(32, 16))
+for p, q in zip(tpu.parameters(), cpu.parameters()):
+    if p is not w:
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), rtol=1e-4, atol=1e-6)
+# A bad target fails the read part's check: nothing is queued, the weights keep their values.
+before = [p.detach().cpu() for p in tpu.parameters()]
+try:
+    steps(tpu, xt, torch.tensor([0, 1, 2, 9, 0, 1, 2, 3]).to('tpu'), 1)
+except IndexError as e:
+    print('INDEX', str(e).splitlines()[0])
+after = [p.detach().cpu() for p in tpu.parameters()]
+print('KEPT', all(torch.equal(a, b) for a, b in zip(before, after)))
+"""
+
+
+def test_split_reads_run_only_what_the_read_needs():
+    out = _run_subprocess(SPLIT_READS, TORCH_TPU_DEFER_AND_FUSE="1",
+                          TORCH_TPU_DEFER_SPLIT_READS="1")
+    lines = out.stdout.splitlines()
+    assert lines[:1] == ["SPLIT True COMPILES True DONATED True"], out.stdout + out.stderr
+    assert lines[1:] == ["INDEX Target 9 is out of bounds.", "KEPT True"], out.stdout
+
+
+SPLIT_READ_FAILURE = _async_failure(
+    "m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))\n"
+    "m = m.to('tpu')\n"
+    "opt = torch.optim.AdamW(m.parameters(), lr=0.1)\n"
+    "x = torch.ones(2, 4, device='tpu')\n"
+    "loss = m(x).square().mean()\n"
+    "loss.backward()\n"
+    "opt.step()\n"
+    "print('LOSS', loss.item() >= 0)\n",  # runs the forward; the update is queued and fails
+    "m[0].weight",
+    "",
+)
+
+
+def test_split_read_queued_part_failure_surfaces_at_sync():
+    out = _run_subprocess(SPLIT_READ_FAILURE, TORCH_PJRT_INJECT_FAILURE="deferred graph",
+                          TORCH_TPU_DEFER_AND_FUSE="1", TORCH_TPU_DEFER_SPLIT_READS="1")
+    lines = out.stdout.splitlines()
+    assert lines[:2] == ["LOSS True", "DISPATCHED"], out.stdout + out.stderr
+    assert lines[2].startswith("SYNC deferred graph failed on the tpu device"), out.stdout
+    assert lines[3].startswith("READ deferred graph failed"), out.stdout

@@ -18,20 +18,50 @@ use crate::exec::{
 use crate::storage::Storage;
 use crate::{host, Error, ErrorKind, Result, Runtime};
 
+mod split;
+
 /// A pending value of a storage: (flat value, dtype, a reference that keeps the storage
 /// and its address alive until the graph runs).
 type Pending = (Value, DType, Arc<Storage>);
 
+/// A graph input: a buffer, or a storage the Strict worker is still computing (a split
+/// flush's queued remainder), read when the graph runs.
+enum GraphIn {
+    Buf(Arc<pjrt::Buffer>),
+    Later(Arc<Storage>, DType),
+    /// A `Later` whose computation failed (kept when the storage is then overwritten).
+    Failed(Error),
+}
+
+/// One recorded op: where it is in `@main`'s body and what it reads, so that a flush can
+/// run only the part a host read needs (see `split`).
+struct OpRec {
+    /// Byte range of its lines in the body.
+    text: (usize, usize),
+    /// First value id it created (its parameters, results and casts); the next op's first
+    /// id ends the range.
+    first: u32,
+    /// Results of earlier ops it reads.
+    deps: Vec<Value>,
+    /// Graph parameters it reads.
+    params: Vec<Value>,
+    /// Its function, an index into `funcs`.
+    func: usize,
+}
+
 struct Graph {
     b: Builder,
-    inputs: Vec<Arc<pjrt::Buffer>>,
+    inputs: Vec<GraphIn>,
     /// What each input is (parallel to `inputs`), for replaying captured graphs.
     sources: Vec<Src>,
     /// Storages read from their materialized buffer: their parameter.
     params: HashMap<usize, Pending>,
     /// The op functions the graph calls, each once, in first-call order.
     funcs: Vec<Arc<Fragment>>,
-    called: std::collections::HashSet<usize>,
+    /// Function (by fragment address) -> its index in `funcs`.
+    called: HashMap<usize, usize>,
+    /// The recorded ops, in order.
+    recs: Vec<OpRec>,
     ops: usize,
     /// Recording a graph for torch.compile: no size-limit flushes.
     capturing: bool,
@@ -75,7 +105,8 @@ impl Graph {
             sources: Vec::new(),
             params: HashMap::new(),
             funcs: Vec::new(),
-            called: std::collections::HashSet::new(),
+            called: HashMap::new(),
+            recs: Vec::new(),
             ops: 0,
             capturing: false,
             broken: false,
@@ -95,6 +126,8 @@ pub struct Deferred {
     /// Op functions by the op's cache key (the same key Strict programs use).
     fragments: Mutex<HashMap<Vec<u8>, Arc<Fragment>>>,
     max_ops: usize,
+    /// Whether a host read runs only what it needs and queues the rest (see `split`).
+    split_reads: bool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -102,11 +135,19 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Deferred {
-    pub fn new(devices: usize) -> Deferred {
+    /// `host_device`: the device computes on the host's cores (the CPU plugin), so queued
+    /// work competes with Python's recording instead of overlapping it: split reads are off
+    /// unless `TORCH_TPU_DEFER_SPLIT_READS=1`.
+    pub fn new(devices: usize, host_device: bool) -> Deferred {
         let max_ops = std::env::var("TORCH_TPU_DEFER_MAX_OPS")
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(4000);
+        let split_reads = match std::env::var("TORCH_TPU_DEFER_SPLIT_READS").as_deref() {
+            Ok("1") => true,
+            Ok("0") => false,
+            _ => !host_device,
+        };
         Deferred {
             graphs: (0..devices.max(1))
                 .map(|_| Mutex::new(Graph::new()))
@@ -117,6 +158,7 @@ impl Deferred {
             programs: Mutex::new(HashMap::new()),
             fragments: Mutex::new(HashMap::new()),
             max_ops,
+            split_reads,
         }
     }
 
@@ -134,6 +176,26 @@ impl Deferred {
         self.graphs.get(device).map(|g| lock(g).ops).unwrap_or(0)
     }
 
+    /// The Python thread is about to replace a storage's buffer (the worker is drained):
+    /// inputs still to be read from storages are read now, so that the graph keeps the
+    /// value it recorded.
+    pub(crate) fn read_later_inputs(&self, rt: &Runtime, device: usize) {
+        let Some(g) = self.graphs.get(device) else {
+            return;
+        };
+        for i in lock(g).inputs.iter_mut() {
+            if let GraphIn::Later(s, dt) = i {
+                *i = match s.poisoned() {
+                    Some(e) => GraphIn::Failed(e),
+                    None => match s.buffer_now(rt, *dt) {
+                        Ok(b) => GraphIn::Buf(b),
+                        Err(e) => GraphIn::Failed(e),
+                    },
+                };
+            }
+        }
+    }
+
     pub fn clear_programs(&self) {
         lock(&self.programs).clear();
         lock(&self.fragments).clear();
@@ -143,7 +205,7 @@ impl Deferred {
 struct GraphSources<'a> {
     rt: &'a Runtime,
     device: usize,
-    inputs: &'a mut Vec<Arc<pjrt::Buffer>>,
+    inputs: &'a mut Vec<GraphIn>,
     sources: &'a mut Vec<Src>,
     params: &'a mut HashMap<usize, Pending>,
     lazy: &'a Mutex<HashMap<usize, Pending>>,
@@ -151,6 +213,9 @@ struct GraphSources<'a> {
     capturing: bool,
     /// Storages this op added to `params` (removed again if the op fails).
     added: Vec<usize>,
+    /// Earlier ops' results and the graph parameters this op reads (see `OpRec`).
+    deps: Vec<Value>,
+    used_params: Vec<Value>,
 }
 
 impl Sources for GraphSources<'_> {
@@ -168,6 +233,7 @@ impl Sources for GraphSources<'_> {
         let key = p as usize;
         let pending = lock(self.lazy).get(&key).map(|e| (e.0, e.1));
         if let Some((v, d)) = pending {
+            self.deps.push(v);
             if d == dtype {
                 return Ok(v);
             }
@@ -180,14 +246,22 @@ impl Sources for GraphSources<'_> {
         }
         if let Some((v, d, _)) = self.params.get(&key) {
             if *d == dtype {
+                self.used_params.push(*v);
                 return Ok(*v);
             }
         }
         // SAFETY: the shim keeps the storage alive during the call.
         let storage = unsafe { &*p };
-        let buf = storage.buffer_as(self.rt, dtype)?;
+        let input = if storage.is_pending() && !storage.is_lazy() {
+            // Still being computed by the worker: read when the graph runs, not now.
+            // SAFETY: alive for the call (the shim holds the tensor).
+            GraphIn::Later(unsafe { Storage::share(p) }, dtype)
+        } else {
+            GraphIn::Buf(storage.buffer_as(self.rt, dtype)?)
+        };
         let v = b.param(TensorType::new(dtype, &[n]));
-        self.inputs.push(buf);
+        self.used_params.push(v);
+        self.inputs.push(input);
         self.sources.push(Src::Storage(key, dtype));
         // SAFETY: alive for the call; the graph's reference keeps its address unique.
         self.params
@@ -210,17 +284,25 @@ impl Sources for GraphSources<'_> {
             };
             return Ok(b.reshape(c, &t.view.sizes));
         }
-        self.inputs.push(
-            self.rt
-                .upload_input(&bytes, dtype, &t.view.sizes, self.device)?,
-        );
+        self.inputs.push(GraphIn::Buf(self.rt.upload_input(
+            &bytes,
+            dtype,
+            &t.view.sizes,
+            self.device,
+        )?));
         self.sources.push(Src::Host);
-        Ok(b.param(TensorType::new(dtype, &t.view.sizes)))
+        let v = b.param(TensorType::new(dtype, &t.view.sizes));
+        self.used_params.push(v);
+        Ok(v)
     }
 
     fn rng(&mut self, _gen: Option<Path>, consumed: u64) -> Result<()> {
-        self.inputs
-            .push(crate::rng_input(self.rt, self.gen, self.device, consumed)?);
+        self.inputs.push(GraphIn::Buf(crate::rng_input(
+            self.rt,
+            self.gen,
+            self.device,
+            consumed,
+        )?));
         self.sources.push(Src::Rng(consumed));
         Ok(())
     }
@@ -295,6 +377,7 @@ impl Runtime {
             params: pmap,
             funcs,
             called,
+            recs,
             ops,
             capturing,
             checks,
@@ -302,6 +385,7 @@ impl Runtime {
         } = &mut *g;
         let capturing = *capturing;
         let cp = b.checkpoint();
+        let (start, first) = (b.body_len(), b.num_values());
         let n_inputs = inputs.len();
         let mut src = GraphSources {
             rt: self,
@@ -313,6 +397,8 @@ impl Runtime {
             gen,
             capturing,
             added: Vec::new(),
+            deps: Vec::new(),
+            used_params: Vec::new(),
         };
         let mut bind = || -> Result<Vec<Value>> {
             let mut args = Vec::with_capacity(frag.inputs.len());
@@ -329,6 +415,7 @@ impl Runtime {
                     Input::Rng { path } => {
                         let v = b.param(TensorType::new(DType::I64, &[2]));
                         src.rng(*path, frag.rng_consumed)?;
+                        src.used_params.push(v);
                         v
                     }
                 });
@@ -351,9 +438,17 @@ impl Runtime {
         };
         let outs = b.call_with_signature(&frag.name, &args, &frag.result_types, &frag.signature);
         let id = Arc::as_ptr(&frag) as usize;
-        if called.insert(id) {
+        let func = *called.entry(id).or_insert_with(|| {
             funcs.push(frag.clone());
-        }
+            funcs.len() - 1
+        });
+        recs.push(OpRec {
+            text: (start, b.body_len()),
+            first,
+            deps: std::mem::take(&mut src.deps),
+            params: std::mem::take(&mut src.used_params),
+            func,
+        });
         *ops += 1;
         let mut new = Vec::new();
         {
@@ -400,6 +495,16 @@ impl Runtime {
 
     /// Runs the device's pending graph, if any.
     pub fn flush(&self, device: usize, reason: &str) -> Result<()> {
+        self.flush_for(device, reason, None)
+    }
+
+    /// A host read needs the lazy storage `key`: runs the pending graph, or only the ops
+    /// its value depends on when enough other work is pending (see `split`).
+    pub(crate) fn flush_read(&self, device: usize, key: usize) -> Result<()> {
+        self.flush_for(device, "read", Some(key))
+    }
+
+    fn flush_for(&self, device: usize, reason: &str, target: Option<usize>) -> Result<()> {
         let d = &self.defer;
         let Some(gm) = d.graphs.get(device) else {
             return Ok(());
@@ -427,11 +532,27 @@ impl Runtime {
             .collect();
         // Output order must not depend on hashing, or the module text (the cache key) would.
         entries.sort_by_key(|e| (e.1, e.0));
+        let mut graph = graph;
+        let inputs = match take_inputs(self, std::mem::take(&mut graph.inputs)) {
+            Ok(i) => i,
+            Err(e) => {
+                // An input's computation failed on the worker: nothing runs.
+                self.worker.reported(&e);
+                discard_flushed(&entries, &[], &e);
+                return Err(e);
+            }
+        };
+        if let (Some(key), false, true) = (target, was_capturing, d.split_reads) {
+            if let Some(in_read) = split::plan(&graph, &entries, key) {
+                drop(lazy);
+                drop(g);
+                return self.flush_split(device, reason, graph, inputs, entries, &in_read);
+            }
+        }
         let mut outs: Vec<Value> = entries.iter().map(|e| e.1).collect();
         outs.extend(graph.checks.iter().map(|c| c.0));
         // A storage the graph both reads (as a parameter) and rewrites (in-place updates of
         // weights and optimizer state): its old buffer can hold the new value.
-        let mut graph = graph;
         let mut aliases = Vec::new();
         for (j, (key, v, dt, _)) in entries.iter().enumerate() {
             if let Some((p, pdt, _)) = graph.params.get(key) {
@@ -470,11 +591,11 @@ impl Runtime {
         self.forget_finished();
         let keep: Vec<i64> = aliased
             .iter()
-            .filter(|i| Arc::strong_count(&graph.inputs[**i]) > 2)
+            .filter(|i| Arc::strong_count(&inputs[**i]) > 2)
             .map(|i| *i as i64)
             .collect();
         let donated = aliased.len() - keep.len();
-        let refs: Vec<&pjrt::Buffer> = graph.inputs.iter().map(|b| b.as_ref()).collect();
+        let refs: Vec<&pjrt::Buffer> = inputs.iter().map(|b| b.as_ref()).collect();
         if let (Some(pre), true) = (prechecks, donated > 0) {
             let cbufs: Vec<Arc<pjrt::Buffer>> =
                 pre.execute(&refs)?.into_iter().map(Arc::new).collect();
@@ -524,7 +645,21 @@ impl Runtime {
         graph: &Graph,
         outs: &[Value],
     ) -> Result<Arc<pjrt::Executable>> {
-        let key = (device, graph.b.finish(outs));
+        self.program(device, graph.b.finish(outs), graph.ops, || {
+            graph.module(outs)
+        })
+    }
+
+    /// The executable whose `@main` is `main` (the cache key), compiled from `module()` on
+    /// a miss.
+    fn program(
+        &self,
+        device: usize,
+        main: String,
+        ops: usize,
+        module: impl FnOnce() -> String,
+    ) -> Result<Arc<pjrt::Executable>> {
+        let key = (device, main);
         if let Some(e) = lock(&self.defer.programs).get(&key).cloned() {
             self.metrics
                 .cache_hits
@@ -534,11 +669,11 @@ impl Runtime {
         self.metrics
             .cache_misses
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mlir = graph.module(outs);
+        let mlir = module();
         let exe = Arc::new(self.compile(&mlir, device, true).map_err(|e| {
             Error::runtime(format!(
-                "XLA failed to compile a deferred graph of {} ops: {}",
-                graph.ops, e.msg
+                "XLA failed to compile a deferred graph of {ops} ops: {}",
+                e.msg
             ))
         })?);
         lock(&self.defer.programs).insert(key, exe.clone());
@@ -581,6 +716,22 @@ fn discard_flushed(entries: &[(usize, Value, DType, Arc<Storage>)], donated: &[u
             storage.fail_flushed(e);
         }
     }
+}
+
+/// The graph's input buffers. Storages the worker was computing are read now: call after
+/// draining it.
+fn take_inputs(rt: &Runtime, inputs: Vec<GraphIn>) -> Result<Vec<Arc<pjrt::Buffer>>> {
+    inputs
+        .into_iter()
+        .map(|i| match i {
+            GraphIn::Buf(b) => Ok(b),
+            GraphIn::Later(s, dt) => match s.poisoned() {
+                Some(e) => Err(e),
+                None => s.buffer_now(rt, dt),
+            },
+            GraphIn::Failed(e) => Err(e),
+        })
+        .collect()
 }
 
 /// The storage of a captured graph's input `i`.
@@ -654,7 +805,7 @@ impl Runtime {
                     // SAFETY: the caller holds the output tensor alive.
                     let buf = unsafe { &*p }.buffer_as(self, dtype)?;
                     let v = b.param(TensorType::new(dtype, &[t.nbytes / dtype.size() as i64]));
-                    graph.inputs.push(buf);
+                    graph.inputs.push(GraphIn::Buf(buf));
                     graph.sources.push(Src::Storage(key, dtype));
                     v
                 }
@@ -711,10 +862,12 @@ impl Runtime {
             graph.checks.iter().map(|c| (c.1, c.2.clone())).collect();
         let mlir = graph.module(&results);
         let exe = self.graph_program(device, &graph, &results)?;
+        self.worker.drain();
+        let graph_inputs = take_inputs(self, std::mem::take(&mut graph.inputs))?;
         let params = graph
             .sources
             .iter()
-            .zip(&graph.inputs)
+            .zip(&graph_inputs)
             .map(|(s, buf)| match *s {
                 Src::Storage(key, dt) => {
                     match inputs
@@ -731,7 +884,7 @@ impl Runtime {
             .collect();
         // First call: run with the buffers bound at capture (none donated: the capture
         // itself still refers to them).
-        let refs: Vec<&pjrt::Buffer> = graph.inputs.iter().map(|b| b.as_ref()).collect();
+        let refs: Vec<&pjrt::Buffer> = graph_inputs.iter().map(|b| b.as_ref()).collect();
         let keep: Vec<i64> = aliased.iter().map(|i| *i as i64).collect();
         let bufs: Vec<Arc<pjrt::Buffer>> = exe
             .execute_donating(&refs, &keep)?
@@ -865,6 +1018,7 @@ impl Runtime {
                     exe: c.exe.clone(),
                     aliased: c.aliased.clone(),
                     checks: c.checks.clone(),
+                    precheck: None,
                 },
                 inputs: job_inputs,
                 new_outputs: c.outputs.len(),

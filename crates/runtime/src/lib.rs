@@ -209,7 +209,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         client,
         cache: cache::Cache::default(),
         metrics: metrics::Metrics::default(),
-        defer: defer::Deferred::new(devices),
+        defer: defer::Deferred::new(devices, cpu_plugin),
         worker: worker::Worker::default(),
         scalars: Mutex::new(std::collections::HashMap::new()),
         pending: Mutex::new(Vec::new()),

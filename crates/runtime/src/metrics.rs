@@ -29,6 +29,8 @@ pub struct Metrics {
     pub flushed_ops: AtomicU64,
     /// Input buffers a deferred graph reused for its outputs (in-place updates).
     pub donated_buffers: AtomicU64,
+    /// Flushes for a host read that ran only what the read needed and queued the rest.
+    pub split_flushes: AtomicU64,
     flush_reasons: Mutex<BTreeMap<String, u64>>,
 }
 
@@ -115,6 +117,7 @@ impl Metrics {
                 g(&self.flushed_ops) / g(&self.flushes).max(1.0),
             ),
             ("donated_buffers", g(&self.donated_buffers)),
+            ("split_flushes", g(&self.split_flushes)),
         ];
         let flush_reasons = self
             .flush_reasons
@@ -149,6 +152,7 @@ impl Metrics {
             &self.flushes,
             &self.flushed_ops,
             &self.donated_buffers,
+            &self.split_flushes,
         ] {
             a.store(0, Ordering::Relaxed);
         }

@@ -90,6 +90,11 @@ impl Storage {
         self.lazy.store(true, Ordering::Release);
     }
 
+    /// A worker job will write its next value.
+    pub(crate) fn is_pending(&self) -> bool {
+        self.pending.load(Ordering::Acquire) != 0
+    }
+
     /// Its next value comes from the worker's job `seq`.
     pub(crate) fn mark_pending(&self, seq: u64) {
         self.pending.store(seq, Ordering::Release);
@@ -126,7 +131,7 @@ impl Storage {
     /// for the worker's job if one writes it.
     fn settle(&self) -> Result<()> {
         if self.is_lazy() {
-            crate::get()?.flush(self.device, "read")?;
+            crate::get()?.flush_read(self.device, self as *const Storage as usize)?;
         }
         let seq = self.pending.load(Ordering::Acquire);
         if seq != 0 {
@@ -148,7 +153,9 @@ impl Storage {
         if self.is_lazy() {
             crate::get()?.flush(self.device, "read")?;
         }
-        crate::get()?.worker.drain();
+        let rt = crate::get()?;
+        rt.worker.drain();
+        rt.defer.read_later_inputs(rt, self.device);
         self.lock().poison = None;
         Ok(())
     }

@@ -27,12 +27,15 @@ pub(crate) enum JobIn {
 pub(crate) enum Work {
     /// One op's program (its outputs say which results are checks).
     Op(Arc<crate::exec::Program>),
-    /// A compiled graph: its inputs at `aliased` are donated when nothing but their storage
-    /// holds them; `checks` are its results after the storages' ones.
+    /// A compiled graph or the queued part of a deferred one: its inputs at `aliased` are
+    /// donated when nothing but their storage holds them; `checks` are its results after
+    /// the storages' ones. `precheck` computes only the checks: run first when donating,
+    /// so that a failed check leaves the donated inputs' values intact.
     Graph {
         exe: Arc<pjrt::Executable>,
         aliased: Vec<usize>,
         checks: Vec<(crate::ErrorKind, String)>,
+        precheck: Option<Arc<pjrt::Executable>>,
     },
 }
 
@@ -45,6 +48,16 @@ pub(crate) struct Job {
     pub outputs: Vec<(Arc<Storage>, DType)>,
     /// How many of `outputs` are new tensors.
     pub new_outputs: usize,
+}
+
+impl Job {
+    /// A failed check's error, naming the op (a graph's checks already name theirs).
+    fn found(&self, e: Error) -> Error {
+        match self.work {
+            Work::Op(_) => Error::new(e.kind, crate::exec::checked_by(&e.msg, &self.op)),
+            Work::Graph { .. } => e,
+        }
+    }
 }
 
 struct State {
@@ -219,13 +232,33 @@ impl Worker {
         let mut donated = Vec::new();
         let outs = match &job.work {
             Work::Op(p) => p.exe.execute(&refs),
-            Work::Graph { exe, aliased, .. } => {
+            Work::Graph {
+                exe,
+                aliased,
+                checks,
+                precheck,
+            } => {
                 // Queue order settled every earlier reader; later jobs read the new value.
                 // Finished outputs are no longer held for error reporting.
                 rt.forget_finished();
                 let (give, keep): (Vec<usize>, Vec<usize>) = aliased
                     .iter()
                     .partition(|i| Arc::strong_count(&bufs[**i]) <= 2);
+                if let (Some(pre), false) = (precheck, give.is_empty()) {
+                    let cbufs: Vec<Arc<pjrt::Buffer>> = pre
+                        .execute(&refs)
+                        .map_err(|e| failed(e.message))?
+                        .into_iter()
+                        .map(Arc::new)
+                        .collect();
+                    let check = rt
+                        .failed_checks(checks.iter().map(|c| (c.0, c.1.as_str())), &cbufs)
+                        .map_err(|e| failed(e.msg))?;
+                    if let Some(e) = check {
+                        self.check_failed(seq, job, e);
+                        return Ok(());
+                    }
+                }
                 donated = give;
                 let keep: Vec<i64> = keep.iter().map(|i| *i as i64).collect();
                 exe.execute_donating(&refs, &keep)
@@ -248,7 +281,7 @@ impl Worker {
         .map_err(|e| failed(e.msg))?;
         if let (Some(e), false) = (&check, donated.is_empty()) {
             // A donated input's old value is gone: every target fails.
-            let e = Error::new(e.kind, crate::exec::checked_by(&e.msg, &job.op));
+            let e = job.found(e.clone());
             for (s, _) in &job.outputs {
                 s.poison(seq, &e);
             }
@@ -256,23 +289,28 @@ impl Worker {
             return Ok(());
         }
         if let Some(e) = check {
-            // The op did not happen: in-place targets keep their value, new tensors (and
-            // so the ops that read them) fail, and the next synchronization raises.
-            let e = Error::new(e.kind, crate::exec::checked_by(&e.msg, &job.op));
-            for (i, (s, _)) in job.outputs.iter().enumerate() {
-                if i < job.new_outputs {
-                    s.poison(seq, &e);
-                } else {
-                    s.unpend(seq);
-                }
-            }
-            lock(&self.state).error.get_or_insert(e);
+            self.check_failed(seq, job, e);
             return Ok(());
         }
         for ((s, dt), b) in job.outputs.iter().zip(outs) {
             s.fill(seq, b, *dt);
         }
         Ok(())
+    }
+
+    /// A data check of job `seq` failed, nothing donated: the job did not happen. In-place
+    /// targets keep their value, new tensors (and so the ops that read them) fail, and the
+    /// next synchronization raises.
+    fn check_failed(&self, seq: u64, job: &Job, e: Error) {
+        let e = job.found(e);
+        for (i, (s, _)) in job.outputs.iter().enumerate() {
+            if i < job.new_outputs {
+                s.poison(seq, &e);
+            } else {
+                s.unpend(seq);
+            }
+        }
+        lock(&self.state).error.get_or_insert(e);
     }
 }
 

@@ -391,13 +391,69 @@ impl Builder {
         outs
     }
 
+    /// Bytes of `@main`'s body emitted so far (an op's text is the range between two reads).
+    pub fn body_len(&self) -> usize {
+        self.bodies[0].len()
+    }
+
+    /// `@main`'s body text so far.
+    pub fn body(&self) -> &str {
+        &self.bodies[0]
+    }
+
+    /// Values created so far (the next value's id).
+    pub fn num_values(&self) -> u32 {
+        self.types.len() as u32
+    }
+
+    /// The parameters, in order.
+    pub fn params(&self) -> &[Value] {
+        &self.params
+    }
+
     fn func(&self, header: &str, outputs: &[Value]) -> String {
-        let params: Vec<String> = self
-            .params
+        self.print_func(
+            header,
+            &self.params,
+            &self.bodies[0],
+            &self.aliases,
+            outputs,
+        )
+    }
+
+    /// Prints `@main` made of part of this function: `params` (any values of the builder,
+    /// op results included: they become parameters), `body` (lines of the body, in order),
+    /// `aliases` (parameter, output index) and `outputs`; then the functions `extra`.
+    pub fn finish_part(
+        &self,
+        params: &[Value],
+        body: &str,
+        aliases: &[(Value, usize)],
+        outputs: &[Value],
+        extra: &[&str],
+    ) -> String {
+        let mut s = String::from("module @torch_pjrt {\n");
+        s.push_str(&self.print_func("func.func public @main", params, body, aliases, outputs));
+        for f in extra {
+            s.push_str(f);
+        }
+        s.push_str("}\n");
+        s
+    }
+
+    fn print_func(
+        &self,
+        header: &str,
+        params: &[Value],
+        body: &str,
+        aliases: &[(Value, usize)],
+        outputs: &[Value],
+    ) -> String {
+        let params: Vec<String> = params
             .iter()
             .map(|v| {
                 let mut p = format!("{}: {}", Self::name(*v), self.ty(*v).mlir());
-                if let Some((_, o)) = self.aliases.iter().find(|(a, _)| a == v) {
+                if let Some((_, o)) = aliases.iter().find(|(a, _)| a == v) {
                     let _ = write!(p, " {{tf.aliasing_output = {o} : i32}}");
                 }
                 p
@@ -405,14 +461,14 @@ impl Builder {
             .collect();
         let rets: Vec<String> = outputs.iter().map(|v| self.ty(*v).mlir()).collect();
         let names: Vec<String> = outputs.iter().map(|v| Self::name(*v)).collect();
-        let mut s = String::with_capacity(self.bodies[0].len() + 256);
+        let mut s = String::with_capacity(body.len() + 256);
         let _ = writeln!(
             s,
             "  {header}({}) -> ({}) {{",
             params.join(", "),
             rets.join(", ")
         );
-        s.push_str(&self.bodies[0]);
+        s.push_str(body);
         let _ = writeln!(
             s,
             "    \"func.return\"({}) : ({}) -> ()\n  }}",
