@@ -106,6 +106,26 @@ impl Part {
     }
 }
 
+impl Part {
+    /// The program of only this part's checks, to run first when the part may donate
+    /// buffers (so that a failed check leaves them intact); None without checks.
+    fn precheck(
+        &self,
+        rt: &Runtime,
+        device: usize,
+        graph: &Graph,
+        params: &[Value],
+        donates: bool,
+    ) -> Result<Option<Arc<pjrt::Executable>>> {
+        if self.checks.is_empty() || !donates {
+            return Ok(None);
+        }
+        let outs: Vec<Value> = self.checks.iter().map(|c| graph.checks[*c].0).collect();
+        self.program(rt, device, graph, params, &[], &outs)
+            .map(Some)
+    }
+}
+
 impl Runtime {
     /// Runs the ops marked in `needed` now and queues the others (see the module doc).
     pub(super) fn flush_split(
@@ -185,12 +205,7 @@ impl Runtime {
             .iter()
             .map(|c| (graph.checks[*c].1, graph.checks[*c].2.as_str()))
             .collect();
-        let precheck = if now_checks.is_empty() || now_aliases.is_empty() {
-            None
-        } else {
-            let couts: Vec<Value> = now.checks.iter().map(|c| graph.checks[*c].0).collect();
-            Some(now.program(self, device, &graph, &plain, &[], &couts)?)
-        };
+        let precheck = now.precheck(self, device, &graph, &plain, !now_aliases.is_empty())?;
 
         // The queued part: its parameters, then the values computed now that it reads.
         let later_params = later.graph_params(&graph);
@@ -218,12 +233,13 @@ impl Runtime {
             .iter()
             .map(|c| (graph.checks[*c].1, graph.checks[*c].2.clone()))
             .collect();
-        let later_precheck = if later_checks.is_empty() || later_aliases.is_empty() {
-            None
-        } else {
-            let couts: Vec<Value> = later.checks.iter().map(|c| graph.checks[*c].0).collect();
-            Some(later.program(self, device, &graph, &later_plain, &[], &couts)?)
-        };
+        let later_precheck = later.precheck(
+            self,
+            device,
+            &graph,
+            &later_plain,
+            !later_aliases.is_empty(),
+        )?;
 
         // Run the read part, as a whole flush would.
         self.forget_finished();
