@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import fallbacks
 
 import torch_pjrt
@@ -69,10 +70,28 @@ ERROR_CASES = {
     "cross_entropy_target": (torch.nn.functional.cross_entropy, [ones(2, 10), idx(12, 1)]),
     "nll_loss_negative_target": (torch.nn.functional.nll_loss, [ones(3, 4), idx(0, -1, 2)]),
     "embedding_bounds": (lambda i, w: torch.nn.functional.embedding(i, w), [idx(9), ones(4, 2)]),
+    "embedding_bag_max_bounds": (lambda i, o, w: F.embedding_bag(i, w, o, mode="max"),
+                                 [idx(1, 12, 3), idx(0, 1), ones(10, 3)]),
+    "embedding_bag_sum_bounds": (lambda i, o, w: F.embedding_bag(i, w, o),
+                                 [idx(1, -2, 3), idx(0, 1), ones(10, 3)]),
+    "embedding_bag_first_offset": (lambda i, o, w: F.embedding_bag(i, w, o),
+                                   [idx(1, 2, 3), idx(1, 2), ones(10, 3)]),
+    "embedding_bag_last_offset": (lambda i, o, w: F.embedding_bag(i, w, o, mode="mean"),
+                                  [idx(1, 2, 3), idx(0, 7), ones(10, 3)]),
+    "embedding_bag_descending_offsets": (lambda i, o, w: F.embedding_bag(i, w, o),
+                                         [idx(1, 2, 3, 4), idx(0, 3, 1), ones(10, 3)]),
+    "max_unpool2d_bounds": (lambda x, i: F.max_unpool2d(x, i, 2),
+                            [ones(1, 1, 2, 2), lambda d: torch.tensor([[[[0, 1], [2, 99]]]], device=d)]),
+    "max_unpool1d_negative": (lambda x, i: F.max_unpool1d(x, i, 2),
+                              [ones(1, 1, 2), lambda d: torch.tensor([[[0, -3]]], device=d)]),
+    "max_unpool3d_bounds": (lambda x, i: F.max_unpool3d(x, i, (1, 1, 2)),
+                            [ones(1, 1, 1, 1, 2), lambda d: torch.tensor([[[[[0, 9]]]]], device=d)]),
 }
 
 ERROR_XFAIL = {
     "mm_dtype": "message says 'float != long', CPU says 'float != long int'",
+    "embedding_bag_sum_bounds": "the CPU's sum/mean message names the index's position too "
+    "('Index 1 of input takes value -2 ...'); ours is its max-mode message, naming the value",
 }
 
 

@@ -509,6 +509,33 @@ fn bags_of(
     }
 }
 
+/// The CPU's checks of the offsets (`m` of them, into `n` indices) and of the indices (into
+/// `rows` weights), in its order; XLA would clamp the bad values instead.
+fn embedding_bag_checks(c: &mut Ctx, offs: Value, idx: Value, m: i64, n: i64, rows: i64) {
+    if m > 0 {
+        let first = c.b.slice_dim(offs, 0, 0, 1, 1);
+        c.check_range(first, 0, 1, ErrorKind::Runtime, "offsets[0] has to be 0, i.e., the first sequence in the mini-batch has to start from position 0. However, got {index}".into());
+        let last = c.b.slice_dim(offs, 0, m - 1, m, 1);
+        c.check_range(last, i64::MIN + 1, n + 1, ErrorKind::Runtime, format!("offsets[-1] can not be greater than input's length {n} but got offsets[-1] of {{index}}"));
+    }
+    if m > 1 {
+        let next = c.b.slice_dim(offs, 0, 1, m, 1);
+        let prev = c.b.slice_dim(offs, 0, 0, m - 1, 1);
+        let step = c.b.sub(next, prev);
+        c.check_range(step, 0, i64::MAX, ErrorKind::Runtime, "Expected i < index_size to be true, but got false.  (Could this error message be improved?  If so, please report an enhancement request to PyTorch.)".into());
+    }
+    if n > 0 {
+        c.check_range(
+            idx,
+            0,
+            rows,
+            ErrorKind::Runtime,
+            "embedding_bag: Expected idx >= 0 && idx < num_embeddings but found idx to be {index}"
+                .into(),
+        );
+    }
+}
+
 /// _embedding_bag / _embedding_bag_forward_only.
 fn embedding_bag(c: &mut Ctx) -> LResult<Vec<Out>> {
     let w = tensor(c, "weight")?;
@@ -566,6 +593,7 @@ fn embedding_bag(c: &mut Ctx) -> LResult<Vec<Out>> {
         );
     }
     let (n, d) = (idx.shape[0], w.shape[1]);
+    embedding_bag_checks(c, offs.value, idx.value, m, n, w.shape[0]);
     let nb = if ilo { m - 1 } else { m };
     let it = promote_types(idx.dtype, offs.dtype);
     let cd = opmath(w.dtype);

@@ -2337,8 +2337,8 @@ fn adaptive_max_pool_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
 }
 
 /// max_unpool{2,3}d: `self` written at the flat `indices` of a zero output; where indices
-/// repeat, the last element wins, as in PyTorch's loop. Indices outside the output are
-/// dropped (PyTorch raises, which needs the data).
+/// repeat, the last element wins, as in PyTorch's loop. Indices outside the output raise
+/// through a data check.
 fn max_unpool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
     let x = tensor(c, "self")?;
     let ind = tensor(c, "indices")?;
@@ -2409,6 +2409,18 @@ fn max_unpool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
     let planes = numel(lead);
     let (l, vol) = (numel(&x.shape[r - n..]), numel(&os));
     let m = planes * l;
+    // 1-d unpooling reaches here as 2-d with a width of 1, and the CPU's message says so.
+    let sizes: Vec<String> = os.iter().map(|v| v.to_string()).collect();
+    c.check_range(
+        ind.value,
+        0,
+        vol,
+        ErrorKind::Runtime,
+        format!(
+            "Found an invalid max index: {{index}} (output volumes are of size {})",
+            sizes.join("x")
+        ),
+    );
     let b = &mut *c.b;
     // The position of the winning input element per output slot (-1: none), then its value.
     let pos = b.iota(DType::I64, &[planes, l], 1);
