@@ -128,6 +128,26 @@ impl<'a> Ctx<'a> {
         self.checks.push(Check { bad, kind, msg });
     }
 
+    /// For ops whose out= tensors must have exactly dtype `want` (not any dtype the result
+    /// casts to): PyTorch's RuntimeError `msg(found)` otherwise.
+    pub fn require_out_dtype(&self, want: DType, msg: impl FnOnce(DType) -> String) -> LResult<()> {
+        match self.out_dtypes.iter().find(|d| **d != want) {
+            Some(d) => user_err(ErrorKind::Runtime, msg(*d)),
+            None => Ok(()),
+        }
+    }
+
+    /// `require_out_dtype` with the message of PyTorch's kernels that name C++ types.
+    pub fn require_out_dtype_cpp(&self, want: DType) -> LResult<()> {
+        self.require_out_dtype(want, |o| {
+            format!(
+                "Expected out tensor to have dtype {}, but got {} instead",
+                promote::cpp_name(want),
+                promote::cpp_name(o)
+            )
+        })
+    }
+
     /// Whether tensor argument `name` is laid out contiguously.
     pub fn is_contiguous(&self, name: &str) -> bool {
         !self.strided.iter().any(|n| n == name)

@@ -385,6 +385,7 @@ fn select_rows(b: &mut Builder, x: Value, dim: usize, idx: Value) -> Value {
 
 fn gather(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = c.args.tensor("self")?.clone();
+    c.require_out_dtype_cpp(t.dtype)?;
     let index = c.args.tensor("index")?.clone();
     let dim = wrap_dim(c.args.int("dim")?, t.shape.len())?;
     let n = numel(&index.shape);

@@ -658,6 +658,12 @@ fn multinomial(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = self_arg(c)?;
     let k = c.args.int("num_samples")?;
     let replacement = c.args.bool_or("replacement", false);
+    c.require_out_dtype(DType::I64, |o| {
+        format!(
+            "multinomial expects Long tensor out, got: {}",
+            torch_name(o)
+        )
+    })?;
     let rank = t.shape.len();
     if !(rank == 1 || rank == 2) {
         return user_err(ErrorKind::Runtime, "prob_dist must be 1 or 2 dim");

@@ -96,6 +96,13 @@ fn mean(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 fn amax_amin(c: &mut Ctx, kind: ReduceKind) -> LResult<Vec<Out>> {
     let t = input(c)?;
+    c.require_out_dtype(t.dtype, |o| {
+        format!(
+            "Expected the dtype for input and out to match, but got {} for input's dtype and {} for out's dtype.",
+            torch_name(t.dtype),
+            torch_name(o)
+        )
+    })?;
     let dims = dims_of(c, &t)?;
     check_nonempty(c, &t, &dims)?;
     let keep = c.args.bool_or("keepdim", false);

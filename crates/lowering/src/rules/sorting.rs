@@ -1872,6 +1872,7 @@ fn nonzero_static(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 fn aminmax(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = input(c)?;
+    c.require_out_dtype_cpp(t.dtype)?;
     let keep = c.args.bool_or("keepdim", false);
     let dims = match c.args.opt_int("dim") {
         Some(d) => {
