@@ -24,8 +24,6 @@ XFAIL = {
     "aminmax": "BUG: overlapping min/max out= tensors are not rejected (the CPU's check is in "
                "aminmax's own kernel, not a rule every multi-output op shares)",
     "narrow_copy": "BUG: an out-of-range dim and a negative length give other messages than the CPU's",
-    "nn.functional.max_pool3d": ("BUG: an unbatched input reaches the CPU fallback with a batch "
-                                 "dim of 0, so the kernel reports an empty batch, not the padding"),
     "fft.hfft": "complex tensors cannot exist on tpu: NotImplementedError before the dim check",
     "fft.irfft": "complex tensors cannot exist on tpu: NotImplementedError before the dim check",
 }

@@ -1815,19 +1815,19 @@ fn pool_args(c: &Ctx, name: &str, x: &TensorArg, with_dilation: bool, n: usize) 
         }
         return decline(format!("{name}: input of rank {r}"));
     }
-    if n == 3 {
-        let f = if with_dilation {
-            "max_pool3d_with_indices_out_cpu_template"
-        } else {
-            "avg_pool3d"
-        };
-        check_nonempty(f, &x.shape, r - n - 1)?;
+    // avg_pool3d checks for empty dims before the padding, max_pool3d after.
+    let nonempty = |name| check_nonempty(name, &x.shape, r - n - 1);
+    if n == 3 && !with_dilation {
+        nonempty("avg_pool3d")?;
     }
     let ceil = c.args.bool_or("ceil_mode", false);
     let sp = &x.shape[r - n..];
     let out = (0..n)
         .map(|i| pool_out(sp[i], k[i], p[i], s[i], d[i], ceil))
         .collect::<LResult<Vec<i64>>>()?;
+    if n == 3 && with_dilation {
+        nonempty("max_pool3d_with_indices_out_cpu_template")?;
+    }
     if k.iter().any(|v| *v <= 0) {
         return err(format!(
             "kernel size should be greater than zero, but got {}",
