@@ -364,7 +364,7 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
         return Ok(Outcome::Declined(format!("{op}: unsupported dtype")));
     }
     if var == Variant::Out {
-        check_out_overlap(params)?;
+        check_out_overlap(op, params)?;
     }
     if let (Variant::Functional, Some(host_op)) = (var, crate::datadep::find(op)) {
         let rets = host_op(rt, params)?;
@@ -515,9 +515,10 @@ pub(crate) fn find_rule(op: &str, var: Variant) -> Option<lowering::Rule> {
 }
 
 /// PyTorch's memory-overlap checks on out= tensors: no element written twice, and no input
-/// sharing part (not all) of an output's memory. Layouts other than contiguous are left
-/// unchecked, as PyTorch leaves the ones it cannot decide.
-fn check_out_overlap(params: &[Param]) -> Result<()> {
+/// sharing part (not all, or for some ops any) of an output's memory. Layouts other than
+/// contiguous are left unchecked, as PyTorch leaves the ones it cannot decide.
+fn check_out_overlap(op: &str, params: &[Param]) -> Result<()> {
+    let exclusive = lowering::rules::out_excludes_inputs(op);
     const CLONE: &str = "Please clone() the tensor before performing the operation.";
     let all = tensors(params);
     let bytes = |t: &TensorRef| {
@@ -548,7 +549,7 @@ fn check_out_overlap(params: &[Param]) -> Result<()> {
                 continue;
             }
             let ((a0, a1), (b0, b1)) = (bytes(o), bytes(i));
-            if a0 < b1 && b0 < a1 && (a0, a1) != (b0, b1) {
+            if a0 < b1 && b0 < a1 && ((a0, a1) != (b0, b1) || exclusive) {
                 return Err(Error::runtime(format!(
                     "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory location. {CLONE}"
                 )));

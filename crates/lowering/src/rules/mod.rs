@@ -78,6 +78,21 @@ pub fn claimed() -> Vec<&'static str> {
     v
 }
 
+/// Ops whose out= tensor may not share memory with an input at all (PyTorch's
+/// `assert_no_overlap`); the others accept an out= that is exactly an input, as in-place
+/// updates do.
+pub fn out_excludes_inputs(op: &str) -> bool {
+    matches!(
+        op,
+        "aten::take"
+            | "aten::index_select"
+            | "aten::masked_select"
+            | "aten::cat"
+            | "aten::kthvalue"
+            | "aten::gather"
+    )
+}
+
 /// Every op name with a rule (for coverage reports).
 pub fn names() -> Vec<&'static str> {
     let mut v: Vec<&str> = table().keys().copied().collect();
