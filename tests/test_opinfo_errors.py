@@ -18,7 +18,6 @@ XFAIL = {
             "rejected: the overlap check skips empty tensors, whose storages it cannot tell apart"),
     "aminmax": "BUG: overlapping min/max out= tensors are not rejected (the CPU's check is in "
                "aminmax's own kernel, not a rule every multi-output op shares)",
-    "narrow_copy": "BUG: an out-of-range dim and a negative length give other messages than the CPU's",
     "fft.hfft": "complex tensors cannot exist on tpu: NotImplementedError before the dim check",
     "fft.irfft": "complex tensors cannot exist on tpu: NotImplementedError before the dim check",
 }

@@ -191,6 +191,52 @@ fn clone(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(c.t("self")?)])
 }
 
+/// `narrow_copy`: a slice along `dim`, with the checks and words of the CPU kernel (which
+/// differ from `narrow`'s: an out-of-range non-negative dim and a negative length).
+fn narrow_copy(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = c.args.tensor("self")?.clone();
+    let (dim, start, len) = (
+        c.args.int("dim")?,
+        c.args.int("start")?,
+        c.args.int("length")?,
+    );
+    let r = t.shape.len();
+    if r == 0 {
+        return user_err(
+            ErrorKind::Runtime,
+            "narrow() cannot be applied to a 0-dim tensor.",
+        );
+    }
+    if dim >= r as i64 {
+        return user_err(ErrorKind::Runtime, "Expected dim < static_cast<int64_t>(self_sizes.size()) to be true, but got false.  (Could this error message be improved?  If so, please report an enhancement request to PyTorch.)");
+    }
+    let d = wrap_dim(dim, r)?;
+    let n = t.shape[d];
+    if start < -n || start > n {
+        return user_err(
+            ErrorKind::Index,
+            format!(
+                "start out of range (expected to be in range of [{}, {n}], but got {start})",
+                -n
+            ),
+        );
+    }
+    let start = if start < 0 { start + n } else { start };
+    if len < 0 || start > n - len {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("start ({start}) + length ({len}) exceeds dimension size ({n})."),
+        );
+    }
+    Ok(vec![Out::T(c.b.slice_dim(
+        t.value,
+        d,
+        start,
+        start + len,
+        1,
+    ))])
+}
+
 /// `dst.copy_(src)` as a value: src converted to dst's dtype and expanded to its size.
 fn copy(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = c.args.tensor("self")?.clone();
@@ -397,6 +443,7 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::roll", roll),
     ("aten::repeat", repeat),
     ("aten::clone", clone),
+    ("aten::narrow_copy", narrow_copy),
     ("torch_pjrt::copy", copy),
     ("aten::arange", arange),
     ("aten::linspace", linspace),
