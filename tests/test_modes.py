@@ -240,6 +240,17 @@ def _async_failure(body, dependent, last):
     )
 
 
+def _failure_lines(out, first, op):
+    """Checks an `_async_failure` script's output: `first` lines, then the synchronization and
+    the dependent read raising `op`'s failure; returns the lines after them."""
+    lines = out.stdout.splitlines()
+    n = len(first)
+    assert lines[:n] == first, out.stdout + out.stderr
+    assert lines[n].startswith(f"SYNC {op} failed on the tpu device"), out.stdout
+    assert lines[n + 1].startswith(f"READ {op} failed"), out.stdout
+    return lines[n + 2:]
+
+
 ASYNC_FAILURE = _async_failure(
     "a = torch.ones(3, device='tpu')\n"
     "b = a * 2\n"  # fails on the device (injected)
@@ -255,11 +266,8 @@ ASYNC_FAILURE = _async_failure(
 def test_strict_async_failure_surfaces_at_next_sync():
     out = _run_subprocess(ASYNC_FAILURE, TORCH_PJRT_INJECT_FAILURE="aten::mul",
                           TORCH_TPU_DEFER_AND_FUSE="0", TORCH_TPU_LAUNCH_BLOCKING="0")
-    lines = out.stdout.splitlines()
-    assert lines[0] == "DISPATCHED", out.stdout + out.stderr
-    assert lines[1].startswith("SYNC aten::mul failed on the tpu device"), out.stdout
-    assert lines[2].startswith("READ aten::mul failed"), out.stdout
-    assert lines[3] == "D [2.0, 2.0, 2.0]" and lines[4] == "CLEAN", out.stdout
+    rest = _failure_lines(out, ["DISPATCHED"], "aten::mul")
+    assert rest == ["D [2.0, 2.0, 2.0]", "CLEAN"], out.stdout
 
 
 COMPILED_ASYNC_FAILURE = _async_failure(
@@ -276,11 +284,8 @@ COMPILED_ASYNC_FAILURE = _async_failure(
 def test_strict_compiled_replay_is_queued_and_its_failure_surfaces_at_sync():
     out = _run_subprocess(COMPILED_ASYNC_FAILURE, TORCH_PJRT_INJECT_FAILURE="compiled graph",
                           TORCH_TPU_DEFER_AND_FUSE="0", TORCH_TPU_LAUNCH_BLOCKING="0")
-    lines = out.stdout.splitlines()
-    assert lines[:2] == ["FIRST 6.0", "DISPATCHED"], out.stdout + out.stderr
-    assert lines[2].startswith("SYNC compiled graph failed on the tpu device"), out.stdout
-    assert lines[3].startswith("READ compiled graph failed"), out.stdout
-    assert lines[4] == "X [1.0, 1.0, 1.0]", out.stdout
+    rest = _failure_lines(out, ["FIRST 6.0", "DISPATCHED"], "compiled graph")
+    assert rest == ["X [1.0, 1.0, 1.0]"], out.stdout
 
 
 def test_debug_failure_raises_at_the_op():
@@ -373,7 +378,4 @@ SPLIT_READ_FAILURE = _async_failure(
 def test_split_read_queued_part_failure_surfaces_at_sync():
     out = _run_subprocess(SPLIT_READ_FAILURE, TORCH_PJRT_INJECT_FAILURE="deferred graph",
                           TORCH_TPU_DEFER_AND_FUSE="1", TORCH_TPU_DEFER_SPLIT_READS="1")
-    lines = out.stdout.splitlines()
-    assert lines[:2] == ["LOSS True", "DISPATCHED"], out.stdout + out.stderr
-    assert lines[2].startswith("SYNC deferred graph failed on the tpu device"), out.stdout
-    assert lines[3].startswith("READ deferred graph failed"), out.stdout
+    assert _failure_lines(out, ["LOSS True", "DISPATCHED"], "deferred graph") == [], out.stdout
