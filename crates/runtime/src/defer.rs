@@ -60,7 +60,7 @@ struct Graph {
     funcs: Vec<Arc<Fragment>>,
     /// Function (by fragment address) -> its index in `funcs`.
     called: HashMap<usize, usize>,
-    /// The recorded ops, in order.
+    /// The recorded ops, in order (kept only while split reads are on).
     recs: Vec<OpRec>,
     ops: usize,
     /// Recording a graph for torch.compile: no size-limit flushes.
@@ -213,9 +213,20 @@ struct GraphSources<'a> {
     capturing: bool,
     /// Storages this op added to `params` (removed again if the op fails).
     added: Vec<usize>,
-    /// Earlier ops' results and the graph parameters this op reads (see `OpRec`).
+    /// Earlier ops' results and the graph parameters this op reads (see `OpRec`), collected
+    /// only when `track` (split reads are on).
+    track: bool,
     deps: Vec<Value>,
     used_params: Vec<Value>,
+}
+
+impl GraphSources<'_> {
+    fn reads(&mut self, dep: Option<Value>, param: Option<Value>) {
+        if self.track {
+            self.deps.extend(dep);
+            self.used_params.extend(param);
+        }
+    }
 }
 
 impl Sources for GraphSources<'_> {
@@ -233,7 +244,7 @@ impl Sources for GraphSources<'_> {
         let key = p as usize;
         let pending = lock(self.lazy).get(&key).map(|e| (e.0, e.1));
         if let Some((v, d)) = pending {
-            self.deps.push(v);
+            self.reads(Some(v), None);
             if d == dtype {
                 return Ok(v);
             }
@@ -246,8 +257,9 @@ impl Sources for GraphSources<'_> {
         }
         if let Some((v, d, _)) = self.params.get(&key) {
             if *d == dtype {
-                self.used_params.push(*v);
-                return Ok(*v);
+                let v = *v;
+                self.reads(None, Some(v));
+                return Ok(v);
             }
         }
         // SAFETY: the shim keeps the storage alive during the call.
@@ -260,7 +272,7 @@ impl Sources for GraphSources<'_> {
             GraphIn::Buf(storage.buffer_as(self.rt, dtype)?)
         };
         let v = b.param(TensorType::new(dtype, &[n]));
-        self.used_params.push(v);
+        self.reads(None, Some(v));
         self.inputs.push(input);
         self.sources.push(Src::Storage(key, dtype));
         // SAFETY: alive for the call; the graph's reference keeps its address unique.
@@ -292,7 +304,7 @@ impl Sources for GraphSources<'_> {
         )?));
         self.sources.push(Src::Host);
         let v = b.param(TensorType::new(dtype, &t.view.sizes));
-        self.used_params.push(v);
+        self.reads(None, Some(v));
         Ok(v)
     }
 
@@ -397,6 +409,7 @@ impl Runtime {
             gen,
             capturing,
             added: Vec::new(),
+            track: d.split_reads && !capturing,
             deps: Vec::new(),
             used_params: Vec::new(),
         };
@@ -415,7 +428,7 @@ impl Runtime {
                     Input::Rng { path } => {
                         let v = b.param(TensorType::new(DType::I64, &[2]));
                         src.rng(*path, frag.rng_consumed)?;
-                        src.used_params.push(v);
+                        src.reads(None, Some(v));
                         v
                     }
                 });
@@ -442,13 +455,15 @@ impl Runtime {
             funcs.push(frag.clone());
             funcs.len() - 1
         });
-        recs.push(OpRec {
-            text: (start, b.body_len()),
-            first,
-            deps: std::mem::take(&mut src.deps),
-            params: std::mem::take(&mut src.used_params),
-            func,
-        });
+        if src.track {
+            recs.push(OpRec {
+                text: (start, b.body_len()),
+                first,
+                deps: std::mem::take(&mut src.deps),
+                params: std::mem::take(&mut src.used_params),
+                func,
+            });
+        }
         *ops += 1;
         let mut new = Vec::new();
         {
@@ -1007,24 +1022,14 @@ impl Runtime {
             // SAFETY: the caller holds the inputs alive.
             targets.push((unsafe { Storage::share(input_storage(inputs, *i)?) }, *dt));
         }
+        let work = crate::worker::Work::Graph {
+            exe: c.exe.clone(),
+            aliased: c.aliased.clone(),
+            checks: c.checks.clone(),
+            precheck: None,
+        };
         let worker: &'static crate::worker::Worker = &crate::get()?.worker;
-        worker.submit(|seq| {
-            for (s, _) in &targets {
-                s.mark_pending(seq);
-            }
-            crate::worker::Job {
-                op: "compiled graph".to_string(),
-                work: crate::worker::Work::Graph {
-                    exe: c.exe.clone(),
-                    aliased: c.aliased.clone(),
-                    checks: c.checks.clone(),
-                    precheck: None,
-                },
-                inputs: job_inputs,
-                new_outputs: c.outputs.len(),
-                outputs: targets,
-            }
-        })
+        worker.submit_graph("compiled graph", work, job_inputs, targets, c.outputs.len())
     }
 
     fn replay_now(

@@ -128,6 +128,30 @@ impl Worker {
         Ok(())
     }
 
+    /// Queues a graph program whose results go to `targets` (the first `new_outputs` are
+    /// new tensors, the others in-place targets): they are pending until it has run.
+    pub(crate) fn submit_graph(
+        &'static self,
+        op: &str,
+        work: Work,
+        inputs: Vec<JobIn>,
+        targets: Vec<(Arc<Storage>, DType)>,
+        new_outputs: usize,
+    ) -> Result<()> {
+        self.submit(|seq| {
+            for (s, _) in &targets {
+                s.mark_pending(seq);
+            }
+            Job {
+                op: op.to_string(),
+                work,
+                inputs,
+                new_outputs,
+                outputs: targets,
+            }
+        })
+    }
+
     /// Waits until job `seq` has run.
     pub(crate) fn wait_for(&self, seq: u64) {
         // A short spin first: most waits are for a job that is just finishing.

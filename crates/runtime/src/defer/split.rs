@@ -15,7 +15,7 @@ use stablehlo::{DType, Value};
 
 use super::{discard_flushed, Graph, OpRec};
 use crate::storage::Storage;
-use crate::worker::{Job, JobIn, Work};
+use crate::worker::{JobIn, Work};
 use crate::{Error, ErrorKind, Result, Runtime};
 
 /// Below this many ops outside the read's ancestors, the whole graph runs at once: queuing
@@ -32,8 +32,11 @@ fn def_op(recs: &[OpRec], v: Value) -> Option<usize> {
 /// For each recorded op, whether the read of storage `key` needs it; None when the graph
 /// should run whole.
 pub(super) fn plan(graph: &Graph, entries: &[Entry], key: usize) -> Option<Vec<bool>> {
-    let target = entries.iter().find(|e| e.0 == key)?.1;
     let recs = &graph.recs;
+    if recs.len() != graph.ops {
+        return None; // recorded while ops were not tracked (a capture)
+    }
+    let target = entries.iter().find(|e| e.0 == key)?.1;
     let mut needed = vec![false; recs.len()];
     let mut stack = vec![def_op(recs, target)?];
     while let Some(i) = stack.pop() {
@@ -323,24 +326,19 @@ impl Runtime {
         let aliased: Vec<usize> = later_aliases.iter().map(|a| a.2).collect();
         // Nothing but the job may hold the buffers it could donate.
         drop((bufs, inputs, entries, rewritten, graph));
+        let work = Work::Graph {
+            exe: later_exe,
+            aliased,
+            checks: later_checks,
+            precheck: later_precheck,
+        };
+        let lazy: Vec<Arc<Storage>> = targets.iter().map(|t| t.0.clone()).collect();
         let worker: &'static crate::worker::Worker = &crate::get()?.worker;
-        worker.submit(|seq| {
-            for (s, _) in &targets {
-                s.mark_pending(seq);
-                s.clear_lazy();
-            }
-            Job {
-                op: "deferred graph".to_string(),
-                work: Work::Graph {
-                    exe: later_exe,
-                    aliased,
-                    checks: later_checks,
-                    precheck: later_precheck,
-                },
-                inputs: job_inputs,
-                new_outputs,
-                outputs: targets,
-            }
-        })
+        worker.submit_graph("deferred graph", work, job_inputs, targets, new_outputs)?;
+        // Pending now: a read waits for the job instead of flushing.
+        for s in lazy {
+            s.clear_lazy();
+        }
+        Ok(())
     }
 }
