@@ -9,8 +9,10 @@ Two training steps, each ending with ``loss.item()``:
        batch 8, sequence 64, AdamW;
   CNN: a ResNet-style CNN (conv-bn-relu stem, 2 residual blocks of conv-bn-relu-conv-bn,
        adaptive average pool, linear; 16 channels), batch 8 of 3x32x32, SGD with momentum.
-Configurations: ``torch.compile(backend="tpu")``, eager tpu in Strict (default) and
-DeferAndFuse mode, ``torch.compile`` with PyTorch's default backend (Inductor) on the CPU, and
+Configurations: ``torch.compile(backend="tpu")`` in Strict (default) and in DeferAndFuse mode
+("compile+DF": the compiled graphs' replays are calls in the pending graph, so the forward,
+backward and update fuse into one program per step), eager tpu in Strict and DeferAndFuse
+mode, ``torch.compile`` with PyTorch's default backend (Inductor) on the CPU, and
 PyTorch CPU eager for reference. The compiled configurations compile the forward and the loss
 (Dynamo + AOTAutograd give them the backward too) and the optimizer step
 (``torch.compile(opt.step)``); the eager ones run everything op by op.
@@ -45,6 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 CONFIGS = {
     "tpu compile": ("tpu", "compile"),
+    "tpu compile+DF": ("tpu", "compile_defer"),
     "tpu Strict": ("tpu", "strict"),
     "tpu DeferAndFuse": ("tpu", "defer"),
     "CPU Inductor": ("cpu", "compile"),
@@ -77,7 +80,7 @@ def build(model_name, device, how):
     x, y = x.to(device), y.to(device)
     opt = make_opt(model.parameters())
     loss_fn, opt_step = model.loss, opt.step
-    if how == "compile":
+    if how.startswith("compile"):
         backend = "tpu" if device == "tpu" else "inductor"
         loss_fn = torch.compile(model.loss, backend=backend)
         opt_step = torch.compile(opt.step, backend=backend)
@@ -115,7 +118,7 @@ def worker(model_name, config, threads):
     if device == "tpu":
         import torch_pjrt
 
-        if how == "defer":
+        if how in ("defer", "compile_defer"):
             torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE
         torch_pjrt.reset_metrics()
     step = None
@@ -272,7 +275,7 @@ def main():
                     notes.append(f"{r['fallbacks']} CPU fallbacks in the first step")
                 if r.get("disk_hits"):
                     notes.append(f"{r['disk_hits']} programs from disk")
-                if config == "tpu compile":
+                if config.startswith("tpu compile"):
                     notes.append(f"{r['compiled_graphs']} graphs compiled")
                     if r["uncaptured"]:
                         notes.append(f"{r['uncaptured']} graphs not captured (run op by op)")

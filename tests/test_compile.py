@@ -239,17 +239,22 @@ def test_training_steps(name, m, opt_name):
 
 
 def test_replay_compiles_nothing(mode):
-    """The second and later calls replay: no capture, no XLA compilation, same results."""
+    """The second and later calls replay: no capture, no XLA compilation, same results.
+
+    In DeferAndFuse a replay is one call in the pending graph, whose program is compiled
+    once for its structure: on the first replay, then never again."""
     cpu_model, tpu_model, compiled, (x, y), (xt, yt), loss_fn = pair("mlp")
     with torch.no_grad():
         compiled(xt)
     m0 = torch_pjrt.metrics()
     assert m0["compile"]["compiled_graphs"] == 1
-    for seed in range(3):
+    for seed in range(4):
         x2 = torch.randn(16, 784, generator=torch.Generator().manual_seed(seed))
         with torch.no_grad():
             out = compiled(x2.to("tpu"))
         assert_close(out, cpu_model(x2).detach(), atol=1e-5, rtol=1e-4)
+        if seed == 0 and mode == "defer":
+            m0 = torch_pjrt.metrics()
     m1 = torch_pjrt.metrics()
     assert m1["compile"]["compiled_graphs"] == 1, m1["compile"]
     assert m1["compilations"] == m0["compilations"], (m0["compilations"], m1["compilations"])
@@ -332,8 +337,9 @@ def test_compiled_train_step(opt_name, how, mode):
         steps = [s["step"] for s in opt_t.state.values()]
         assert steps and all(t.device.type == "tpu" for t in steps), [t.device for t in steps]
     # A warm step runs a handful of programs (forward, backward, update, zero_grad's and the
-    # loss read's small ops), not one per parameter.
-    assert max(executions[WARMUP:]) <= 8, executions
+    # loss read's small ops), not one per parameter; in DeferAndFuse the replays are calls in
+    # the pending graph, so the whole step is one program.
+    assert max(executions[WARMUP:]) <= (1 if mode == "defer" else 8), executions
     # The update writes each parameter into its own buffer (no second copy of the weights).
     n_params = len(list(tpu_model.parameters()))
     assert min(donated[WARMUP:]) >= n_params, donated

@@ -126,13 +126,13 @@ def test_same_error_as_cpu(name):
 MIXED_DEVICE_CASES = {
     "add": lambda a, c: a + c,
     "mm": lambda a, c: torch.mm(a, c),
+    "mm_cpu_first": lambda a, c: torch.mm(c, a),
     "cat": lambda a, c: torch.cat([a, c]),
+    "index_select": lambda a, c: a.index_select(0, c[0].long()),
+    "where": lambda a, c: torch.where(c > 0, a, a),
     "tpu0_tpu1": lambda a, c: a + c.to("tpu:1"),
 }
-MIXED_XFAIL = {
-    "mm": "BUG: torch.mm(tpu, non-scalar cpu tensor) runs instead of raising (CUDA raises)",
-    "cat": "BUG: torch.cat([tpu, cpu]) runs instead of raising (CUDA raises)",
-}
+MIXED_XFAIL = {}
 
 
 @pytest.mark.parametrize("name", [
@@ -145,6 +145,26 @@ def test_mixed_devices_raise(name):
     c = torch.ones(2, 2)
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
         MIXED_DEVICE_CASES[name](a, c)
+
+
+def test_mixed_device_message_names_argument():
+    a, c = torch.ones(2, 2, device="tpu"), torch.ones(2, 2)
+    with pytest.raises(RuntimeError) as e:
+        torch.mm(c, a)
+    assert str(e.value).startswith(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        "cpu and tpu:0! (when checking argument for argument mat2"), str(e.value)
+
+
+def test_cpu_indices_mix_with_tpu():
+    """Advanced indexing takes CPU index tensors, as on CUDA."""
+    x = torch.arange(6.0).reshape(3, 2)
+    xt = x.to("tpu")
+    i = torch.tensor([2, 0])
+    assert xt[i].cpu().tolist() == x[i].tolist()
+    xt[i] = torch.tensor([[7.0, 8.0], [9.0, 10.0]]).to("tpu")
+    x[i] = torch.tensor([[7.0, 8.0], [9.0, 10.0]])
+    assert xt.cpu().tolist() == x.tolist()
 
 
 def test_cpu_scalar_tensor_mixes_with_tpu():

@@ -14,10 +14,6 @@ from torch.testing._internal.common_methods_invocations import op_db
 import torch_pjrt  # noqa: F401
 
 XFAIL = {
-    "cat": ("BUG: an empty out= tensor that is also an input (cat([x, y], out=x), x empty) is not "
-            "rejected: the overlap check skips empty tensors, whose storages it cannot tell apart"),
-    "aminmax": "BUG: overlapping min/max out= tensors are not rejected (the CPU's check is in "
-               "aminmax's own kernel, not a rule every multi-output op shares)",
     "fft.hfft": "complex tensors cannot exist on tpu: NotImplementedError before the dim check",
     "fft.irfft": "complex tensors cannot exist on tpu: NotImplementedError before the dim check",
 }

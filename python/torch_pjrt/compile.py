@@ -158,27 +158,35 @@ class _Graph:
             reason = "new_shape"
         counters[f"recompilations_{reason}"] += 1
 
-    def _key(self, args):
-        # A program reads each input's whole storage (its size is a parameter type), and
-        # inputs sharing a storage at capture share one parameter: both are part of the key.
+    @staticmethod
+    def _key(args):
+        """The program key of a call and its tensors' storage addresses; (None, None) if a
+        tensor is not on tpu or has a dtype the runtime lacks (the graph then runs eagerly).
+
+        A program reads each input's whole storage (its size is a parameter type), and
+        inputs sharing a storage at capture share one parameter: both are part of the key."""
         first = {}
         key = []
+        ptrs = []
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
+                dev = a.device
+                if dev.type != "tpu" or a.dtype not in _DTYPE:
+                    return None, None
                 s = a.untyped_storage()
-                alias = first.setdefault(s.data_ptr(), i)
-                key.append((a.dtype, tuple(a.shape), tuple(a.stride()), a.storage_offset(),
-                            a.device.index, s.nbytes(), alias))
+                ptr = s.data_ptr()
+                ptrs.append(ptr)
+                key.append((a.dtype, a.shape, a.stride(), a.storage_offset(), dev.index,
+                            s.nbytes(), first.setdefault(ptr, i)))
             else:
                 key.append(("py", type(a), a if isinstance(a, (int, float, bool)) else None))
-        return tuple(key)
+        return tuple(key), ptrs
 
     def __call__(self, args):
-        tensors = [a for a in args if isinstance(a, torch.Tensor)]
-        if not all(_is_tpu(a) and a.dtype in _DTYPE for a in tensors):
+        key, inputs = self._key(args)
+        if key is None:
             counters["eager_graphs"] += 1
             return self.gm(*args)
-        key = self._key(args)
         prog = self.programs.get(key)
         if prog is None:
             self._note_recompile(key)
@@ -191,8 +199,7 @@ class _Graph:
             counters["eager_graph_calls"] += 1
             return self.gm(*args)
         pid, out_meta, spec, device = prog
-        outs = [torch.empty(s, dtype=_FROM[d], device=f"tpu:{device}") for d, s in out_meta]
-        inputs = [a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)]
+        outs = [torch.empty(s, dtype=d, device=device) for d, s in out_meta]
         _C.replay(pid, inputs, [o.untyped_storage().data_ptr() for o in outs])
         return _rebuild(spec, outs)
 
@@ -223,7 +230,10 @@ class _Graph:
         _hook_reset()
         if self.dump:
             print(_C.captured_mlir(pid))
-        outs = [torch.empty(s, dtype=_FROM[d], device=f"tpu:{device}") for d, s in out_meta]
+        # Kept ready for replays: torch dtypes and sizes, one device object.
+        out_meta = [(_FROM[d], torch.Size(s)) for d, s in out_meta]
+        device = torch.device("tpu", device)
+        outs = [torch.empty(s, dtype=d, device=device) for d, s in out_meta]
         _C.take_outputs(pid, [o.untyped_storage().data_ptr() for o in outs])
         self.programs[key] = (pid, out_meta, spec, device)
         return _rebuild(spec, outs)

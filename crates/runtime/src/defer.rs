@@ -47,6 +47,8 @@ struct OpRec {
     params: Vec<Value>,
     /// Its function, an index into `funcs`.
     func: usize,
+    /// The functions that one calls (a replayed compiled graph's ops); empty for an op.
+    callees: Vec<usize>,
 }
 
 struct Graph {
@@ -94,7 +96,15 @@ pub(crate) struct Fragment {
 impl Graph {
     /// The module: `@main` returning `outs`, then every function it calls.
     fn module(&self, outs: &[Value]) -> String {
-        let texts: Vec<&str> = self.funcs.iter().map(|f| f.text.as_str()).collect();
+        // A replayed compiled graph brings its ops' functions, which may also be called
+        // directly: each name is printed once.
+        let mut seen = std::collections::HashSet::new();
+        let texts: Vec<&str> = self
+            .funcs
+            .iter()
+            .filter(|f| seen.insert(f.name.as_str()))
+            .map(|f| f.text.as_str())
+            .collect();
         self.b.finish_with(outs, &texts)
     }
 
@@ -113,6 +123,14 @@ impl Graph {
             checks: Vec::new(),
         }
     }
+}
+
+/// A function name unique to `key`'s content.
+fn hashed_name(prefix: &str, key: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let h = Sha256::digest(key);
+    let hex: String = h[..12].iter().map(|x| format!("{x:02x}")).collect();
+    format!("{prefix}_{hex}")
 }
 
 /// Per-device pending graphs and their lazy storages.
@@ -241,47 +259,8 @@ impl Sources for GraphSources<'_> {
         let Loc::Device(p) = t.loc else {
             return Err(Error::runtime("host tensor as storage"));
         };
-        let key = p as usize;
-        let pending = lock(self.lazy).get(&key).map(|e| (e.0, e.1));
-        if let Some((v, d)) = pending {
-            self.reads(Some(v), None);
-            if d == dtype {
-                return Ok(v);
-            }
-            if d.size() == dtype.size() {
-                return Ok(b.bitcast_convert(v, dtype));
-            }
-            return Err(Error::runtime(
-                "DeferAndFuse cannot reinterpret a pending tensor with another element size; call torch.tpu.synchronize() first",
-            ));
-        }
-        if let Some((v, d, _)) = self.params.get(&key) {
-            if *d == dtype {
-                let v = *v;
-                self.reads(None, Some(v));
-                return Ok(v);
-            }
-        }
-        // SAFETY: the shim keeps the storage alive during the call.
-        let storage = unsafe { &*p };
-        let input = if storage.is_pending() && !storage.is_lazy() {
-            // Still being computed by the worker: read when the graph runs, not now.
-            // SAFETY: alive for the call (the shim holds the tensor).
-            GraphIn::Later(unsafe { Storage::share(p) }, dtype)
-        } else {
-            GraphIn::Buf(storage.buffer_as(self.rt, dtype)?)
-        };
-        let v = b.param(TensorType::new(dtype, &[n]));
-        self.reads(None, Some(v));
-        self.inputs.push(input);
-        self.sources.push(Src::Storage(key, dtype));
-        // SAFETY: alive for the call; the graph's reference keeps its address unique.
-        self.params
-            .insert(key, (v, dtype, unsafe { Storage::share(p) }));
-        self.added.push(key);
-        Ok(v)
+        self.storage_at(b, p, dtype, n)
     }
-
     fn host(&mut self, b: &mut Builder, _path: Path, t: &TensorRef, dtype: DType) -> Result<Value> {
         let Loc::Host(p) = t.loc else {
             return Err(Error::runtime("device tensor as host input"));
@@ -320,6 +299,68 @@ impl Sources for GraphSources<'_> {
     }
 }
 
+impl GraphSources<'_> {
+    /// The flat value of storage `p` read as `n` elements of `dtype`: its pending value, or a
+    /// new parameter bound to its buffer.
+    fn storage_at(
+        &mut self,
+        b: &mut Builder,
+        p: *const Storage,
+        dtype: DType,
+        n: i64,
+    ) -> Result<Value> {
+        let key = p as usize;
+        let pending = lock(self.lazy).get(&key).map(|e| (e.0, e.1));
+        if let Some((v, d)) = pending {
+            self.reads(Some(v), None);
+            if d == dtype {
+                return Ok(v);
+            }
+            if d.size() == dtype.size() {
+                return Ok(b.bitcast_convert(v, dtype));
+            }
+            return Err(Error::runtime(
+                "DeferAndFuse cannot reinterpret a pending tensor with another element size; call torch.tpu.synchronize() first",
+            ));
+        }
+        if let Some((v, d, _)) = self.params.get(&key) {
+            if *d == dtype {
+                let v = *v;
+                self.reads(None, Some(v));
+                return Ok(v);
+            }
+        }
+        // SAFETY: the caller (the shim, or a replay's caller) keeps the storage alive
+        // during the call.
+        let storage = unsafe { &*p };
+        let input = if storage.is_pending() && !storage.is_lazy() {
+            // Still being computed by the worker: read when the graph runs, not now.
+            // SAFETY: alive for the call (see above).
+            GraphIn::Later(unsafe { Storage::share(p) }, dtype)
+        } else {
+            GraphIn::Buf(storage.buffer_as(self.rt, dtype)?)
+        };
+        let v = b.param(TensorType::new(dtype, &[n]));
+        self.reads(None, Some(v));
+        self.inputs.push(input);
+        self.sources.push(Src::Storage(key, dtype));
+        // SAFETY: alive for the call; the graph's reference keeps its address unique.
+        self.params
+            .insert(key, (v, dtype, unsafe { Storage::share(p) }));
+        self.added.push(key);
+        Ok(v)
+    }
+
+    /// A parameter bound to a fixed buffer (a compiled graph's constant).
+    fn buffer(&mut self, b: &mut Builder, buf: Arc<pjrt::Buffer>, ty: TensorType) -> Value {
+        self.inputs.push(GraphIn::Buf(buf));
+        self.sources.push(Src::Host);
+        let v = b.param(ty);
+        self.reads(None, Some(v));
+        v
+    }
+}
+
 impl Runtime {
     /// The op's function, lowered on its first use.
     fn fragment(
@@ -339,12 +380,7 @@ impl Runtime {
             Plan::Declined(w) => return Ok(Err(Outcome::Declined(w))),
             Plan::Resize(r) => return Ok(Err(Outcome::Resize(r))),
         };
-        let name = {
-            use sha2::{Digest, Sha256};
-            let h = Sha256::digest(&k);
-            let hex: String = h[..12].iter().map(|x| format!("{x:02x}")).collect();
-            format!("op_{hex}")
-        };
+        let name = hashed_name("op", &k);
         let result_types: Vec<TensorType> = p.results.iter().map(|v| p.b.ty(*v).clone()).collect();
         let param_types: Vec<TensorType> = (0..p.inputs.len())
             .map(|i| p.b.param_type(i).clone())
@@ -363,6 +399,96 @@ impl Runtime {
         Ok(Ok(f))
     }
 
+    /// Appends one call of `f` (which calls `callees`) to the device's pending graph,
+    /// counted as `n_ops` ops: `bind` reads its arguments into the graph. On error the graph
+    /// is left as it was. Returns the locked graph and the call's results.
+    fn append_call(
+        &self,
+        device: usize,
+        gen: Option<*mut i64>,
+        f: &Arc<Fragment>,
+        callees: &[Arc<Fragment>],
+        n_ops: usize,
+        bind: impl FnOnce(&mut GraphSources<'_>, &mut Builder) -> Result<Vec<Value>>,
+    ) -> Result<(MutexGuard<'_, Graph>, Vec<Value>)> {
+        let d = &self.defer;
+        let mut g = lock(&d.graphs[device]);
+        let Graph {
+            b,
+            inputs,
+            sources,
+            params,
+            funcs,
+            called,
+            recs,
+            ops,
+            capturing,
+            ..
+        } = &mut *g;
+        let capturing = *capturing;
+        let cp = b.checkpoint();
+        let (start, first) = (b.body_len(), b.num_values());
+        let n_inputs = inputs.len();
+        let mut src = GraphSources {
+            rt: self,
+            device,
+            inputs,
+            sources,
+            params,
+            lazy: &d.lazy[device],
+            gen,
+            capturing,
+            added: Vec::new(),
+            track: d.split_reads && !capturing,
+            deps: Vec::new(),
+            used_params: Vec::new(),
+        };
+        let args = match bind(&mut src, b) {
+            Ok(a) => a,
+            Err(e) => {
+                let added = std::mem::take(&mut src.added);
+                b.rollback(cp);
+                src.inputs.truncate(n_inputs);
+                src.sources.truncate(n_inputs);
+                for k in &added {
+                    src.params.remove(k);
+                }
+                return Err(e);
+            }
+        };
+        let vals = b.call_with_signature(&f.name, &args, &f.result_types, &f.signature);
+        let mut index = |f: &Arc<Fragment>| {
+            *called.entry(Arc::as_ptr(f) as usize).or_insert_with(|| {
+                funcs.push(f.clone());
+                funcs.len() - 1
+            })
+        };
+        let func = index(f);
+        let callees: Vec<usize> = callees.iter().map(&mut index).collect();
+        if src.track {
+            recs.push(OpRec {
+                text: (start, b.body_len()),
+                first,
+                deps: std::mem::take(&mut src.deps),
+                params: std::mem::take(&mut src.used_params),
+                func,
+                callees,
+            });
+        }
+        *ops += n_ops;
+        Ok((g, vals))
+    }
+
+    /// Flushes a graph that has grown past the size limit (not while capturing).
+    fn flush_if_full(&self, device: usize, g: MutexGuard<'_, Graph>) -> Result<()> {
+        let full = g.ops >= self.defer.max_ops && !g.capturing;
+        drop(g);
+        if full {
+            self.flush(device, "size limit")?;
+        }
+        Ok(())
+    }
+
     /// Records one op into the device's pending graph: a call of the op's function.
     pub(crate) fn record(
         &self,
@@ -376,44 +502,11 @@ impl Runtime {
             Ok(f) => f,
             Err(outcome) => return Ok(outcome),
         };
-        let d = &self.defer;
-        let mut g = lock(&d.graphs[device]);
         let gen = params.iter().find_map(|p| match p.arg {
             RArg::Generator(g) => Some(g),
             _ => None,
         });
-        let Graph {
-            b,
-            inputs,
-            sources,
-            params: pmap,
-            funcs,
-            called,
-            recs,
-            ops,
-            capturing,
-            checks,
-            ..
-        } = &mut *g;
-        let capturing = *capturing;
-        let cp = b.checkpoint();
-        let (start, first) = (b.body_len(), b.num_values());
-        let n_inputs = inputs.len();
-        let mut src = GraphSources {
-            rt: self,
-            device,
-            inputs,
-            sources,
-            params: pmap,
-            lazy: &d.lazy[device],
-            gen,
-            capturing,
-            added: Vec::new(),
-            track: d.split_reads && !capturing,
-            deps: Vec::new(),
-            used_params: Vec::new(),
-        };
-        let mut bind = || -> Result<Vec<Value>> {
+        let (mut g, outs) = self.append_call(device, gen, &frag, &[], 1, |src, b| {
             let mut args = Vec::with_capacity(frag.inputs.len());
             for inp in &frag.inputs {
                 args.push(match inp {
@@ -434,40 +527,10 @@ impl Runtime {
                 });
             }
             Ok(args)
-        };
-        let args = match bind() {
-            Ok(a) => a,
-            Err(e) => {
-                // A failed op leaves the pending graph as it was.
-                let added = std::mem::take(&mut src.added);
-                b.rollback(cp);
-                inputs.truncate(n_inputs);
-                sources.truncate(n_inputs);
-                for k in &added {
-                    pmap.remove(k);
-                }
-                return Err(e);
-            }
-        };
-        let outs = b.call_with_signature(&frag.name, &args, &frag.result_types, &frag.signature);
-        let id = Arc::as_ptr(&frag) as usize;
-        let func = *called.entry(id).or_insert_with(|| {
-            funcs.push(frag.clone());
-            funcs.len() - 1
-        });
-        if src.track {
-            recs.push(OpRec {
-                text: (start, b.body_len()),
-                first,
-                deps: std::mem::take(&mut src.deps),
-                params: std::mem::take(&mut src.used_params),
-                func,
-            });
-        }
-        *ops += 1;
+        })?;
         let mut new = Vec::new();
         {
-            let mut lazy = lock(&d.lazy[device]);
+            let mut lazy = lock(&self.defer.lazy[device]);
             for (o, v) in frag.outputs.iter().zip(&outs) {
                 match o {
                     Output::New { dtype, sizes } => {
@@ -494,17 +557,13 @@ impl Runtime {
                         }
                     }
                     Output::Check { kind, msg } => {
-                        checks.push((*v, *kind, crate::exec::checked_by(msg, op)))
+                        g.checks.push((*v, *kind, crate::exec::checked_by(msg, op)))
                     }
                 }
             }
         }
-        let full = *ops >= d.max_ops && !capturing;
-        drop(g);
         self.metrics.native(op);
-        if full {
-            self.flush(device, "size limit")?;
-        }
+        self.flush_if_full(device, g)?;
         Ok(Outcome::Done(returns_of(&frag.rets, params, var, new)))
     }
 
@@ -718,6 +777,12 @@ pub struct Captured {
     checks: Vec<(ErrorKind, String)>,
     pub device: usize,
     pub mlir: String,
+    /// The graph as a private function, for DeferAndFuse to call from its pending graph,
+    /// with the ops' functions it calls, its parameters' types and its op count.
+    callee: Arc<Fragment>,
+    callees: Vec<Arc<Fragment>>,
+    param_types: Vec<TensorType>,
+    ops: usize,
 }
 
 /// A flushed graph's check failed: every value it computed may rest on a clamped index, so
@@ -877,6 +942,24 @@ impl Runtime {
             graph.checks.iter().map(|c| (c.1, c.2.clone())).collect();
         let mlir = graph.module(&results);
         let exe = self.graph_program(device, &graph, &results)?;
+        let param_types: Vec<TensorType> = (0..graph.sources.len())
+            .map(|i| graph.b.param_type(i).clone())
+            .collect();
+        let result_types: Vec<TensorType> =
+            results.iter().map(|v| graph.b.ty(*v).clone()).collect();
+        let name = hashed_name("graph", graph.b.finish(&results).as_bytes());
+        let callee = Arc::new(Fragment {
+            text: graph.b.func_text(&name, &results),
+            signature: Builder::call_signature(&param_types, &result_types),
+            name,
+            result_types,
+            inputs: Vec::new(),
+            outputs: Vec::new(),
+            rets: Vec::new(),
+            rng_consumed: 0,
+        });
+        let callees = graph.funcs.clone();
+        let n_ops = graph.ops;
         self.worker.drain();
         let graph_inputs = take_inputs(self, std::mem::take(&mut graph.inputs))?;
         let params = graph
@@ -939,6 +1022,10 @@ impl Runtime {
                 checks,
                 device,
                 mlir,
+                callee,
+                callees,
+                param_types,
+                ops: n_ops,
             },
             handles,
         )))
@@ -970,7 +1057,9 @@ impl Runtime {
     /// Runs a captured graph on new inputs (same metadata as at capture), writing `outs`
     /// (storages of the outputs Python allocated) and the rewritten inputs. In Strict mode it
     /// is queued on the worker behind the ops issued before it and returns at once, like an
-    /// op; in Debug and DeferAndFuse it runs now.
+    /// op; in DeferAndFuse it is recorded into the pending graph as one call (so the forward,
+    /// backward and optimizer graphs of a step and the eager ops around them fuse into one
+    /// program); in Debug it runs now.
     pub fn replay(
         &self,
         c: &Captured,
@@ -981,11 +1070,66 @@ impl Runtime {
         if outs.len() != c.outputs.len() {
             return Err(Error::runtime("compiled graph: output count mismatch"));
         }
-        if crate::mode::get() == crate::mode::EagerMode::Strict {
-            self.replay_queued(c, inputs, outs, gen)
-        } else {
-            self.replay_now(c, inputs, outs, gen)
+        match crate::mode::get() {
+            crate::mode::EagerMode::Strict => self.replay_queued(c, inputs, outs, gen),
+            crate::mode::EagerMode::DeferAndFuse => self.replay_deferred(c, inputs, outs, gen),
+            _ => self.replay_now(c, inputs, outs, gen),
         }
+    }
+
+    fn replay_deferred(
+        &self,
+        c: &Captured,
+        inputs: &[*const Storage],
+        outs: &[*const Storage],
+        gen: *mut i64,
+    ) -> Result<()> {
+        // The storages the graph writes: its outputs, then the inputs it updates in place.
+        let written = outs
+            .iter()
+            .zip(c.outputs.iter().map(|o| o.0))
+            .map(|(p, dt)| Ok((*p, dt)))
+            .chain(
+                c.input_writes
+                    .iter()
+                    .map(|(i, dt)| Ok((input_storage(inputs, *i)?, *dt))),
+            )
+            .collect::<Result<Vec<_>>>()?;
+        let device = c.device;
+        let (mut g, vals) =
+            self.append_call(device, Some(gen), &c.callee, &c.callees, c.ops, |src, b| {
+                let mut args = Vec::with_capacity(c.params.len());
+                for (p, ty) in c.params.iter().zip(&c.param_types) {
+                    args.push(match p {
+                        Param_::Input(i, dt) => {
+                            src.storage_at(b, input_storage(inputs, *i)?, *dt, ty.numel())?
+                        }
+                        Param_::Const(buf) => src.buffer(b, buf.clone(), ty.clone()),
+                        Param_::Rng(n) => {
+                            let v = b.param(ty.clone());
+                            src.rng(None, *n)?;
+                            src.reads(None, Some(v));
+                            v
+                        }
+                    });
+                }
+                Ok(args)
+            })?;
+        {
+            // Results: the written storages' values, then the checks.
+            let mut lazy = lock(&self.defer.lazy[device]);
+            let mut vals = vals.into_iter();
+            for ((p, dtype), v) in written.into_iter().zip(vals.by_ref()) {
+                // SAFETY: the caller holds inputs and outputs alive during the call.
+                lazy.insert(p as usize, (v, dtype, unsafe { Storage::share(p) }));
+                // SAFETY: as above.
+                unsafe { &*p }.mark_lazy();
+            }
+            for ((kind, msg), v) in c.checks.iter().zip(vals) {
+                g.checks.push((v, *kind, msg.clone()));
+            }
+        }
+        self.flush_if_full(device, g)
     }
 
     fn replay_queued(

@@ -363,6 +363,7 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
     if ts.iter().any(|(_, t)| t.dtype.is_none()) {
         return Ok(Outcome::Declined(format!("{op}: unsupported dtype")));
     }
+    check_same_device(op, params, &ts)?;
     if var == Variant::Out {
         check_out_overlap(op, params)?;
     }
@@ -514,6 +515,42 @@ pub(crate) fn find_rule(op: &str, var: Variant) -> Option<lowering::Rule> {
     })
 }
 
+/// A CPU tensor mixes with tpu ones only as a 0-dim scalar (or as indices of advanced
+/// indexing), as on CUDA; otherwise CUDA's error, naming the argument.
+fn check_same_device(op: &str, params: &[Param], ts: &[(Path, &TensorRef)]) -> Result<()> {
+    let Some(((i, _), _)) = ts
+        .iter()
+        .find(|(_, t)| matches!(t.loc, Loc::Host(_)) && !t.view.sizes.is_empty())
+    else {
+        return Ok(());
+    };
+    let Some((_, dev)) = ts.iter().find(|(_, t)| matches!(t.loc, Loc::Device(_))) else {
+        return Ok(());
+    };
+    if lowering::rules::takes_cpu_tensors(op) {
+        return Ok(());
+    }
+    let tpu = format!("tpu:{}", dev.device);
+    let first_cpu = matches!(ts[0].1.loc, Loc::Host(_));
+    let (a, b) = if first_cpu {
+        ("cpu", tpu.as_str())
+    } else {
+        (tpu.as_str(), "cpu")
+    };
+    let offending = if first_cpu {
+        // The first tpu tensor is the one that differs from the common (cpu) device.
+        ts.iter()
+            .find(|(_, t)| matches!(t.loc, Loc::Device(_)))
+            .map_or(*i, |((j, _), _)| *j)
+    } else {
+        *i
+    };
+    Err(Error::runtime(format!(
+        "Expected all tensors to be on the same device, but found at least two devices, {a} and {b}! (when checking argument for argument {} in method {op})",
+        params[offending].name
+    )))
+}
+
 /// PyTorch's memory-overlap checks on out= tensors: no element written twice, and no input
 /// sharing part (not all, or for some ops any) of an output's memory. Layouts other than
 /// contiguous are left unchecked, as PyTorch leaves the ones it cannot decide.
@@ -540,6 +577,21 @@ fn check_out_overlap(op: &str, params: &[Param]) -> Result<()> {
                 "unsupported operation: more than one element of the written-to tensor refers to a single memory location. {CLONE}"
             )));
         }
+        if v.numel() == 0 && exclusive {
+            // PyTorch resizes the out= tensor before its check: if it is also an input (same
+            // storage, same view), the input grew with it and the two overlap.
+            if all.iter().any(|(p, i)| {
+                !params[p.0].is_out
+                    && matches!(i.loc, Loc::Device(ip) if ip == optr)
+                    && i.view.sizes == v.sizes
+                    && i.view.strides == v.strides
+                    && i.view.offset == v.offset
+            }) {
+                return Err(Error::runtime(format!(
+                    "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory location. {CLONE}"
+                )));
+            }
+        }
         if v.numel() == 0 || !v.is_contiguous() {
             continue;
         }
@@ -553,6 +605,26 @@ fn check_out_overlap(op: &str, params: &[Param]) -> Result<()> {
                 return Err(Error::runtime(format!(
                     "unsupported operation: some elements of the input tensor and the written-to tensor refer to a single memory location. {CLONE}"
                 )));
+            }
+        }
+    }
+    if op == "aten::aminmax" {
+        // Its two results may not share memory either (a check of aminmax's own kernel).
+        let outs: Vec<&TensorRef> = all
+            .iter()
+            .filter(|(p, _)| params[p.0].is_out)
+            .map(|(_, t)| *t)
+            .collect();
+        if let [a, b] = outs[..] {
+            let (Loc::Device(pa), Loc::Device(pb)) = (a.loc, b.loc) else {
+                return Ok(());
+            };
+            let ((a0, a1), (b0, b1)) = (bytes(a), bytes(b));
+            if pa == pb && a0 < b1 && b0 < a1 {
+                return Err(Error::new(
+                    ErrorKind::Value,
+                    "aminmax(): the `min` and `max` out= tensors must not overlap.",
+                ));
             }
         }
     }

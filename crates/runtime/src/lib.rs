@@ -341,9 +341,14 @@ impl Runtime {
         Ok(())
     }
 
+    /// Keeps one execution's outputs until it is known to have succeeded. They complete
+    /// together (one event per execution), so the first stands for all.
     pub(crate) fn track(&self, op: &str, bufs: &[Arc<pjrt::Buffer>]) {
+        let Some(first) = bufs.first() else {
+            return;
+        };
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        p.extend(bufs.iter().map(|b| (op.to_string(), b.clone())));
+        p.push((op.to_string(), first.clone()));
         if p.len() > 256 {
             // Keep the list short: drop what has finished without error.
             p.retain(|(_, b)| !matches!(b.is_ready_nonblocking(), Ok(true)) || b.ready().is_err());

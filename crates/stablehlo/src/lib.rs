@@ -479,8 +479,15 @@ impl Builder {
     }
 
     /// Prints the function as `func.func private @name`, to be called from another module.
+    /// Without aliases: only `@main`'s parameters can donate their buffers.
     pub fn func_text(&self, name: &str, outputs: &[Value]) -> String {
-        self.func(&format!("func.func private @{name}"), outputs)
+        self.print_func(
+            &format!("func.func private @{name}"),
+            &self.params,
+            &self.bodies[0],
+            &[],
+            outputs,
+        )
     }
 
     /// Prints the module with `outputs` returned from `@main`.

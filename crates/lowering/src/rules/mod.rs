@@ -94,6 +94,21 @@ pub fn out_excludes_inputs(op: &str) -> bool {
     )
 }
 
+/// Ops that take non-scalar CPU tensors next to tpu ones: copies between the devices (our
+/// own ops) and the indices of advanced indexing, as on CUDA. Other ops accept a CPU tensor
+/// only as a 0-dim scalar.
+pub fn takes_cpu_tensors(op: &str) -> bool {
+    op.starts_with("torch_pjrt::")
+        || matches!(
+            op.trim_end_matches('_'),
+            "aten::index"
+                | "aten::_unsafe_index"
+                | "aten::index_put"
+                | "aten::_index_put_impl"
+                | "aten::_unsafe_index_put"
+        )
+}
+
 /// Every op name with a rule (for coverage reports).
 pub fn names() -> Vec<&'static str> {
     let mut v: Vec<&str> = table().keys().copied().collect();

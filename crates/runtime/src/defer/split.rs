@@ -95,11 +95,12 @@ impl Part {
     ) -> Result<Arc<pjrt::Executable>> {
         let main = graph.b.finish_part(params, &self.body, aliases, outs, &[]);
         rt.program(device, main, graph.ops, || {
+            let mut seen = std::collections::HashSet::new();
             let funcs: Vec<&str> = graph
                 .funcs
                 .iter()
                 .zip(&self.funcs)
-                .filter(|(_, used)| **used)
+                .filter(|(f, used)| **used && seen.insert(f.name.as_str()))
                 .map(|(f, _)| f.text.as_str())
                 .collect();
             graph
@@ -150,6 +151,9 @@ impl Runtime {
             let part = if needed[i] { &mut now } else { &mut later };
             part.body.push_str(&body[r.text.0..r.text.1]);
             part.funcs[r.func] = true;
+            for f in &r.callees {
+                part.funcs[*f] = true;
+            }
             part.params.extend(r.params.iter().copied());
             if !needed[i] {
                 crossing.extend(r.deps.iter().copied().filter(|d| in_now(*d)));
