@@ -260,6 +260,24 @@ def test_replay_compiles_nothing(mode):
     assert m1["compilations"] == m0["compilations"], (m0["compilations"], m1["compilations"])
 
 
+def test_replayed_index_check_raises(mode):
+    """An out-of-range index in a replayed graph raises IndexError at the next read or
+    synchronization in every mode (in DeferAndFuse the replay's check joins the pending
+    graph's), and later calls with good indices work."""
+    emb = torch.nn.Embedding(10, 4)
+    emb_t = copy.deepcopy(emb).to("tpu")
+    f = torch.compile(lambda i: emb_t(i).sum(), backend="tpu")
+    good = torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        for _ in range(2):  # capture, then replay
+            assert math.isclose(f(good.to("tpu")).item(), emb(good).sum().item(), rel_tol=1e-5)
+        with pytest.raises(IndexError, match="index out of range"):
+            f(torch.tensor([1, 12, 3]).to("tpu")).item()
+            torch.tpu.synchronize()
+        assert math.isclose(f(good.to("tpu")).item(), emb(good).sum().item(), rel_tol=1e-5)
+    assert compile_counters()["compiled_graphs"] == 1
+
+
 def test_boxed_calling_convention():
     """Forward and backward graphs take AOTAutograd's boxed (list) arguments: no warning."""
     import warnings
