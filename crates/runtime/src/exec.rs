@@ -608,23 +608,21 @@ fn check_out_overlap(op: &str, params: &[Param]) -> Result<()> {
             }
         }
     }
-    if op == "aten::aminmax" {
-        // Its two results may not share memory either (a check of aminmax's own kernel).
+    if let Some(msg) = lowering::rules::outs_exclude_each_other(op) {
         let outs: Vec<&TensorRef> = all
             .iter()
             .filter(|(p, _)| params[p.0].is_out)
             .map(|(_, t)| *t)
             .collect();
-        if let [a, b] = outs[..] {
-            let (Loc::Device(pa), Loc::Device(pb)) = (a.loc, b.loc) else {
-                return Ok(());
-            };
-            let ((a0, a1), (b0, b1)) = (bytes(a), bytes(b));
-            if pa == pb && a0 < b1 && b0 < a1 {
-                return Err(Error::new(
-                    ErrorKind::Value,
-                    "aminmax(): the `min` and `max` out= tensors must not overlap.",
-                ));
+        for (k, a) in outs.iter().enumerate() {
+            for b in &outs[k + 1..] {
+                let (Loc::Device(pa), Loc::Device(pb)) = (a.loc, b.loc) else {
+                    continue;
+                };
+                let ((a0, a1), (b0, b1)) = (bytes(a), bytes(b));
+                if pa == pb && a0 < b1 && b0 < a1 {
+                    return Err(Error::new(ErrorKind::Value, msg));
+                }
             }
         }
     }

@@ -94,6 +94,14 @@ pub fn out_excludes_inputs(op: &str) -> bool {
     )
 }
 
+/// Ops whose out= results may not share memory with each other: the ValueError message.
+pub fn outs_exclude_each_other(op: &str) -> Option<&'static str> {
+    match op {
+        "aten::aminmax" => Some("aminmax(): the `min` and `max` out= tensors must not overlap."),
+        _ => None,
+    }
+}
+
 /// Ops that take non-scalar CPU tensors next to tpu ones: copies between the devices (our
 /// own ops) and the indices of advanced indexing, as on CUDA. Other ops accept a CPU tensor
 /// only as a 0-dim scalar.
