@@ -112,6 +112,42 @@ def test_defer_and_fuse_compiles_nothing_after_second_step(make_opt):
     assert m["fallback_calls"] == 0
 
 
+@pytest.mark.parametrize(
+    "make_opt",
+    [lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9), lambda p: torch.optim.AdamW(p, lr=0.01)],
+    ids=["sgd", "adamw"],
+)
+def test_defer_and_fuse_loop_without_reads_flushes_on_steps(make_opt):
+    """A loop that reads no value per step (the losses are read at the end) runs every two
+    optimizer steps, one structure compiled once, instead of at the size limit."""
+    m = _mlp("cpu")
+    opt = make_opt(m.parameters())
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+    counts = []
+    with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
+        torch.tpu.synchronize()
+        torch_pjrt.reset_metrics()
+        mt = _mlp("tpu")
+        opt_t = make_opt(mt.parameters())
+        xt, yt = x.to("tpu"), y.to("tpu")
+        losses, losses_t = [], []
+        for _ in range(12):
+            for model, o, a, b, out in ((m, opt, x, y, losses), (mt, opt_t, xt, yt, losses_t)):
+                o.zero_grad()
+                loss = torch.nn.functional.cross_entropy(model(a), b)
+                loss.backward()
+                o.step()
+                out.append(loss.detach())
+            counts.append(torch_pjrt.metrics()["compilations"])
+        met = torch_pjrt.metrics()
+        got = [v.item() for v in losses_t]
+    torch.testing.assert_close(got, [v.item() for v in losses], rtol=1e-4, atol=1e-6)
+    assert met["flush_reasons"].get("optimizer step", 0) >= 5, met["flush_reasons"]
+    assert "size limit" not in met["flush_reasons"], met["flush_reasons"]
+    assert counts[5:] == [counts[5]] * 7, counts
+
+
 @pytest.fixture
 def from_strict():
     """Mode-switch tests start in Strict whatever mode the suite runs in."""

@@ -100,7 +100,17 @@ def _patch_printing():
     ts._tensor_str = _tensor_str
 
 
+def _after_optimizer_step(optimizer, args, kwargs):
+    """Tells the runtime a training step ended (DeferAndFuse may flush there, see
+    ``Runtime::step_boundary``). Skipped while Dynamo traces a compiled ``opt.step``."""
+    if not torch.compiler.is_compiling():
+        _C.step_boundary()
+
+
 _register()
+from torch.optim.optimizer import register_optimizer_step_post_hook  # noqa: E402
+
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 from . import compile as _compile  # noqa: E402  (registers the "tpu" Dynamo backend)
 from .compile import export_stablehlo  # noqa: E402

@@ -65,6 +65,8 @@ struct Graph {
     /// The recorded ops, in order (kept only while split reads are on).
     recs: Vec<OpRec>,
     ops: usize,
+    /// Optimizer steps that ended while this graph was pending (see `step_boundary`).
+    steps: usize,
     /// Recording a graph for torch.compile: no size-limit flushes.
     capturing: bool,
     /// A flush happened while capturing: the capture cannot be replayed.
@@ -118,6 +120,7 @@ impl Graph {
             called: HashMap::new(),
             recs: Vec::new(),
             ops: 0,
+            steps: 0,
             capturing: false,
             broken: false,
             checks: Vec::new(),
@@ -752,6 +755,32 @@ impl Runtime {
         })?);
         lock(&self.defer.programs).insert(key, exe.clone());
         Ok(exe)
+    }
+
+    /// An optimizer step ended. A DeferAndFuse graph that already holds an earlier step (no
+    /// value was read since) or is past half its size limit runs now: a loop that reads no
+    /// value every step then flushes every two steps, one structure compiled once, instead
+    /// of at the size limit, which cuts a step at a different op each time (a new program
+    /// each time). A loop reading its loss after each step is unaffected.
+    pub fn step_boundary(&self) -> Result<()> {
+        if crate::mode::get() != crate::mode::EagerMode::DeferAndFuse {
+            return Ok(());
+        }
+        for device in 0..self.defer.graphs.len() {
+            let run = {
+                let mut g = lock(&self.defer.graphs[device]);
+                if g.capturing || g.ops == 0 {
+                    false
+                } else {
+                    g.steps += 1;
+                    g.steps >= 2 || g.ops * 2 >= self.defer.max_ops
+                }
+            };
+            if run {
+                self.flush(device, "optimizer step")?;
+            }
+        }
+        Ok(())
     }
 
     /// Flushes every device.

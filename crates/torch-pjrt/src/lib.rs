@@ -131,6 +131,12 @@ fn synchronize(py: Python<'_>) -> PyResult<()> {
 }
 
 #[pyfunction]
+fn step_boundary(py: Python<'_>) -> PyResult<()> {
+    let rt = rt()?;
+    py.allow_threads(|| rt.step_boundary()).map_err(py_err)
+}
+
+#[pyfunction]
 fn manual_seed(device: i32, seed: u64) {
     // SAFETY: the shim creates the device's generator lazily; any index < device_count.
     unsafe { tpu_shim_manual_seed(device, seed) }
@@ -313,6 +319,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plugin_path, m)?)?;
     m.add_function(wrap_pyfunction!(current_device, m)?)?;
     m.add_function(wrap_pyfunction!(synchronize, m)?)?;
+    m.add_function(wrap_pyfunction!(step_boundary, m)?)?;
     m.add_function(wrap_pyfunction!(manual_seed, m)?)?;
     m.add_function(wrap_pyfunction!(initial_seed, m)?)?;
     m.add_function(wrap_pyfunction!(rng_state, m)?)?;
