@@ -241,15 +241,6 @@ struct GraphSources<'a> {
     used_params: Vec<Value>,
 }
 
-impl GraphSources<'_> {
-    fn reads(&mut self, dep: Option<Value>, param: Option<Value>) {
-        if self.track {
-            self.deps.extend(dep);
-            self.used_params.extend(param);
-        }
-    }
-}
-
 impl Sources for GraphSources<'_> {
     fn storage(
         &mut self,
@@ -303,6 +294,22 @@ impl Sources for GraphSources<'_> {
 }
 
 impl GraphSources<'_> {
+    fn reads(&mut self, dep: Option<Value>, param: Option<Value>) {
+        if self.track {
+            self.deps.extend(dep);
+            self.used_params.extend(param);
+        }
+    }
+
+    /// The parameter holding an op's RNG [seed, offset], advancing the generator by
+    /// `consumed`.
+    fn rng_param(&mut self, b: &mut Builder, consumed: u64) -> Result<Value> {
+        let v = b.param(TensorType::new(DType::I64, &[2]));
+        self.rng(None, consumed)?;
+        self.reads(None, Some(v));
+        Ok(v)
+    }
+
     /// The flat value of storage `p` read as `n` elements of `dtype`: its pending value, or a
     /// new parameter bound to its buffer.
     fn storage_at(
@@ -521,12 +528,7 @@ impl Runtime {
                     Input::Host { path, dtype } => {
                         src.host(b, *path, tensor_at(params, *path), *dtype)?
                     }
-                    Input::Rng { path } => {
-                        let v = b.param(TensorType::new(DType::I64, &[2]));
-                        src.rng(*path, frag.rng_consumed)?;
-                        src.reads(None, Some(v));
-                        v
-                    }
+                    Input::Rng { .. } => src.rng_param(b, frag.rng_consumed)?,
                 });
             }
             Ok(args)
@@ -814,6 +816,14 @@ pub struct Captured {
     ops: usize,
 }
 
+/// One call of a captured graph: its input storages, the storages it writes (new outputs,
+/// then inputs updated in place, with their dtypes) and the RNG generator.
+struct ReplayCall<'a> {
+    inputs: &'a [*const Storage],
+    written: Vec<(*const Storage, DType)>,
+    gen: *mut i64,
+}
+
 /// A flushed graph's check failed: every value it computed may rest on a clamped index, so
 /// none is kept. Storages it rewrote keep their old value unless their buffer was donated
 /// (`donated`: entry indices); the others raise `e` when read.
@@ -1099,20 +1109,6 @@ impl Runtime {
         if outs.len() != c.outputs.len() {
             return Err(Error::runtime("compiled graph: output count mismatch"));
         }
-        match crate::mode::get() {
-            crate::mode::EagerMode::Strict => self.replay_queued(c, inputs, outs, gen),
-            crate::mode::EagerMode::DeferAndFuse => self.replay_deferred(c, inputs, outs, gen),
-            _ => self.replay_now(c, inputs, outs, gen),
-        }
-    }
-
-    fn replay_deferred(
-        &self,
-        c: &Captured,
-        inputs: &[*const Storage],
-        outs: &[*const Storage],
-        gen: *mut i64,
-    ) -> Result<()> {
         // The storages the graph writes: its outputs, then the inputs it updates in place.
         let written = outs
             .iter()
@@ -1124,6 +1120,24 @@ impl Runtime {
                     .map(|(i, dt)| Ok((input_storage(inputs, *i)?, *dt))),
             )
             .collect::<Result<Vec<_>>>()?;
+        let call = ReplayCall {
+            inputs,
+            written,
+            gen,
+        };
+        match crate::mode::get() {
+            crate::mode::EagerMode::Strict => self.replay_queued(c, &call),
+            crate::mode::EagerMode::DeferAndFuse => self.replay_deferred(c, call),
+            _ => self.replay_now(c, &call),
+        }
+    }
+
+    fn replay_deferred(&self, c: &Captured, call: ReplayCall<'_>) -> Result<()> {
+        let ReplayCall {
+            inputs,
+            written,
+            gen,
+        } = call;
         let device = c.device;
         let (mut g, vals) =
             self.append_call(device, Some(gen), &c.callee, &c.callees, c.ops, |src, b| {
@@ -1134,12 +1148,7 @@ impl Runtime {
                             src.storage_at(b, input_storage(inputs, *i)?, *dt, ty.numel())?
                         }
                         Param_::Const(buf) => src.buffer(b, buf.clone(), ty.clone()),
-                        Param_::Rng(n) => {
-                            let v = b.param(ty.clone());
-                            src.rng(None, *n)?;
-                            src.reads(None, Some(v));
-                            v
-                        }
+                        Param_::Rng(n) => src.rng_param(b, *n)?,
                     });
                 }
                 Ok(args)
@@ -1161,19 +1170,13 @@ impl Runtime {
         self.flush_if_full(device, g)
     }
 
-    fn replay_queued(
-        &self,
-        c: &Captured,
-        inputs: &[*const Storage],
-        outs: &[*const Storage],
-        gen: *mut i64,
-    ) -> Result<()> {
+    fn replay_queued(&self, c: &Captured, call: &ReplayCall<'_>) -> Result<()> {
         let mut job_inputs = Vec::with_capacity(c.params.len());
         for p in &c.params {
             job_inputs.push(match p {
                 Param_::Input(i, dt) => {
                     // SAFETY: the caller holds the inputs alive.
-                    let s = unsafe { Storage::share(input_storage(inputs, *i)?) };
+                    let s = unsafe { Storage::share(input_storage(call.inputs, *i)?) };
                     if s.is_lazy() {
                         self.flush(s.device, "read")?;
                     }
@@ -1181,20 +1184,16 @@ impl Runtime {
                 }
                 Param_::Const(b) => crate::worker::JobIn::Buf(b.clone()),
                 Param_::Rng(n) => {
-                    crate::worker::JobIn::Buf(crate::rng_input(self, Some(gen), c.device, *n)?)
+                    crate::worker::JobIn::Buf(crate::rng_input(self, Some(call.gen), c.device, *n)?)
                 }
             });
         }
-        let mut targets: Vec<(Arc<Storage>, DType)> = outs
+        let targets: Vec<(Arc<Storage>, DType)> = call
+            .written
             .iter()
-            .zip(&c.outputs)
-            // SAFETY: the caller holds the outputs alive.
-            .map(|(s, (dt, _))| (unsafe { Storage::share(*s) }, *dt))
+            // SAFETY: the caller holds inputs and outputs alive.
+            .map(|(p, dt)| (unsafe { Storage::share(*p) }, *dt))
             .collect();
-        for (i, dt) in &c.input_writes {
-            // SAFETY: the caller holds the inputs alive.
-            targets.push((unsafe { Storage::share(input_storage(inputs, *i)?) }, *dt));
-        }
         let work = crate::worker::Work::Graph {
             exe: c.exe.clone(),
             aliased: c.aliased.clone(),
@@ -1205,22 +1204,16 @@ impl Runtime {
         worker.submit_graph("compiled graph", work, job_inputs, targets, c.outputs.len())
     }
 
-    fn replay_now(
-        &self,
-        c: &Captured,
-        inputs: &[*const Storage],
-        outs: &[*const Storage],
-        gen: *mut i64,
-    ) -> Result<()> {
+    fn replay_now(&self, c: &Captured, call: &ReplayCall<'_>) -> Result<()> {
         let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(c.params.len());
         for p in &c.params {
             bufs.push(match p {
                 Param_::Input(i, dt) => {
                     // SAFETY: the caller holds the inputs alive.
-                    unsafe { &*input_storage(inputs, *i)? }.buffer_as(self, *dt)?
+                    unsafe { &*input_storage(call.inputs, *i)? }.buffer_as(self, *dt)?
                 }
                 Param_::Const(b) => b.clone(),
-                Param_::Rng(n) => crate::rng_input(self, Some(gen), c.device, *n)?,
+                Param_::Rng(n) => crate::rng_input(self, Some(call.gen), c.device, *n)?,
             });
         }
         let mut keep = Vec::new();
@@ -1252,15 +1245,10 @@ impl Runtime {
         );
         self.track("compiled graph", &results);
         let mut it = results.into_iter();
-        for (out, (dtype, _)) in outs.iter().zip(&c.outputs) {
+        for (p, dtype) in &call.written {
             let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
-            // SAFETY: the caller holds the outputs alive.
-            unsafe { &**out }.set(buf, *dtype)?;
-        }
-        for (i, dt) in &c.input_writes {
-            let buf = it.next().ok_or_else(|| Error::runtime("missing output"))?;
-            // SAFETY: the caller holds the inputs alive.
-            unsafe { &*inputs[*i] }.set(buf, *dt)?;
+            // SAFETY: the caller holds inputs and outputs alive.
+            unsafe { &**p }.set(buf, *dtype)?;
         }
         self.defer_checks(&c.checks, it.take(c.checks.len()).collect());
         Ok(())
