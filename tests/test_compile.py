@@ -529,6 +529,38 @@ def test_max_programs_evicts_least_recently_used(mode):
     assert live_programs() - live0 == 2, c
 
 
+def test_native_replay_layouts_and_lru(mode, monkeypatch):
+    """Warm calls of a graph whose arguments are all tensors replay through one native op
+    (torch_pjrt::replay) without Python's key: a layout it has not seen (the same shape at
+    another offset of a larger storage) falls back to Python's lookup and is captured once,
+    and native replays count as uses for max_programs' least-recently-used order."""
+    from torch_pjrt import compile as tc
+
+    keys = []
+    orig = tc._Graph._key
+    monkeypatch.setattr(tc._Graph, "_key", staticmethod(lambda args: keys.append(1) or orig(args)))
+
+    def f(x, w):
+        return (x * w).sum(-1).tanh()
+
+    cf = torch.compile(f, backend="tpu", options={"max_programs": 2})
+    g = torch.Generator().manual_seed(0)
+    base, w = torch.randn(40, 8, generator=g), torch.randn(8, generator=g)
+    bt, wt = base.to("tpu"), w.to("tpu")
+    bound0 = torch_pjrt._C.bound_layouts()
+    rows = {"a": 0, "b": 5, "c": 10}
+    for name in "abaca":
+        r = rows[name]
+        assert_close(cf(bt[r:r + 5], wt), f(base[r:r + 5], w), atol=1e-6, rtol=1e-5)
+    c = compile_counters()
+    assert c["compiled_graphs"] == 3, c  # a, b, c: "a" stayed (used after b), "b" evicted
+    assert c["evicted_programs"] == 1 and c["recompilations_new_layout"] == 2, c
+    assert len(keys) == 3, keys  # the two warm calls of "a" never reached Python's key
+    assert torch_pjrt._C.bound_layouts() - bound0 == 2
+    torch._dynamo.reset()
+    assert torch_pjrt._C.bound_layouts() == bound0
+
+
 def program_loads():
     m = torch_pjrt.metrics()
     return m["compilations"] + m.get("disk_hits", 0)
@@ -585,15 +617,17 @@ def test_garbage_collected_graph_releases_programs():
 
     x, y = torch.randn(5), torch.randn(5)
     gm = torch.fx.symbolic_trace(f)
-    live0 = live_programs()
+    live0, bound0 = live_programs(), torch_pjrt._C.bound_layouts()
     fn = tpu_backend(gm, [x.to("tpu"), y.to("tpu")])
     for n in (5, 7):
         a, b = torch.randn(n), torch.randn(n)
         assert_close(fn(a.to("tpu"), b.to("tpu"))[0], f(a, b)[0])
     assert live_programs() - live0 == 2
+    assert torch_pjrt._C.bound_layouts() - bound0 == 2
     del fn
     gc.collect()
     assert live_programs() == live0
+    assert torch_pjrt._C.bound_layouts() == bound0
 
 
 # ---------------------------------------------------------------------------

@@ -24,6 +24,7 @@ a graph free its programs (executables and constants).
 
 import collections
 import functools
+import itertools
 import weakref
 
 import torch
@@ -84,6 +85,7 @@ def _release(programs):
 
 # Every graph whose programs are alive, for torch._dynamo.reset().
 _LIVE = weakref.WeakSet()
+_GRAPH_IDS = itertools.count()
 
 
 def _reset():
@@ -119,6 +121,12 @@ class _Graph:
         # Keys evicted or released, to name the reason when they come back (bounded).
         self.dropped = collections.OrderedDict()
         self.captures = 0
+        # Graphs whose arguments are all tensors replay through one native op that finds
+        # the program by the inputs' layout and allocates the outputs (torch_pjrt::replay);
+        # Python's own lookup below runs only when that op finds nothing bound.
+        self.gid = next(_GRAPH_IDS)
+        self.native = None
+        self.keys = {}  # program id -> its key in self.programs
         _LIVE.add(self)
         # The finalizer holds the dict, not the graph; not at exit (the runtime may be gone).
         weakref.finalize(self, _release, self.programs).atexit = False
@@ -126,6 +134,7 @@ class _Graph:
     def release(self, reason="released"):
         for key in self.programs:
             self._forget(key, reason)
+        self.keys.clear()
         _release(self.programs)
 
     def _forget(self, key, reason):
@@ -138,6 +147,8 @@ class _Graph:
         while self.max_programs is not None and len(self.programs) > self.max_programs:
             key, prog = self.programs.popitem(last=False)
             self._forget(key, "evicted")
+            if prog != "eager":
+                self.keys.pop(prog[0], None)
             counters["evicted_programs"] += 1
             _release({key: prog})
 
@@ -183,6 +194,14 @@ class _Graph:
         return tuple(key), ptrs
 
     def __call__(self, args):
+        if self.native is None:
+            self.native = all(isinstance(a, torch.Tensor) for a in args)
+        if self.native:
+            pid, outs = torch.ops.torch_pjrt.replay.default(self.gid, args)
+            if pid >= 0:
+                key = self.keys[pid]
+                self.programs.move_to_end(key)
+                return _rebuild(self.programs[key][2], outs)
         key, inputs = self._key(args)
         if key is None:
             counters["eager_graphs"] += 1
@@ -201,7 +220,13 @@ class _Graph:
         pid, out_meta, spec, device = prog
         outs = [torch.empty(s, dtype=d, device=device) for d, s in out_meta]
         _C.replay(pid, inputs, [o.untyped_storage().data_ptr() for o in outs])
+        self._bind(args, key, pid)
         return _rebuild(spec, outs)
+
+    def _bind(self, args, key, pid):
+        if self.native:
+            torch.ops.torch_pjrt.bind.default(self.gid, args, pid)
+            self.keys[pid] = key
 
     def _capture(self, key, args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
@@ -236,6 +261,7 @@ class _Graph:
         outs = [torch.empty(s, dtype=d, device=device) for d, s in out_meta]
         _C.take_outputs(pid, [o.untyped_storage().data_ptr() for o in outs])
         self.programs[key] = (pid, out_meta, spec, device)
+        self._bind(args, key, pid)
         return _rebuild(spec, outs)
 
 

@@ -36,6 +36,7 @@
 #include <mutex>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -1001,6 +1002,89 @@ void tpu_boxed_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 // ----------------------------------------------------------------------------
+// Compiled-graph replays: torch_pjrt::replay / torch_pjrt::bind. One native call per
+// graph call, so the input layout key and the outputs are not built tensor by tensor in
+// Python. Which program runs is decided in Rust; this only describes the inputs.
+// ----------------------------------------------------------------------------
+
+// The layout key of a graph call (what compile.py's _Graph._key holds for tensors: dtype,
+// device, sizes, strides, offset, storage size, first input sharing the storage) and the
+// inputs' storage handles. False when an input is not a tpu tensor: Python decides then.
+bool replay_key(at::TensorList args, std::vector<int64_t>& key, std::vector<void*>& handles) {
+  key.clear();
+  handles.clear();
+  for (size_t i = 0; i < args.size(); ++i) {
+    const at::Tensor& t = args[i];
+    if (!t.defined() || t.device().type() != kTpu || !t.has_storage()) return false;
+    const c10::Storage& st = t.storage();
+    if (!is_our_storage(st)) return false;
+    void* h = st.data_ptr().get();
+    const int64_t first = std::find(handles.begin(), handles.end(), h) - handles.begin();
+    handles.push_back(h);
+    key.push_back(static_cast<int64_t>(t.scalar_type()));
+    key.push_back(t.device().index());
+    key.push_back(t.dim());
+    for (int64_t s : t.sizes()) key.push_back(s);
+    for (int64_t s : t.strides()) key.push_back(s);
+    key.push_back(t.storage_offset());
+    key.push_back(static_cast<int64_t>(st.nbytes()));
+    key.push_back(first);
+  }
+  return true;
+}
+
+// Runs the program bound to (graph, layout of args): (program id, outputs), or (-1, [])
+// when none is bound and Python must look the call up itself.
+std::tuple<int64_t, std::vector<at::Tensor>> tpu_replay_op(int64_t graph, at::TensorList args) {
+  thread_local std::vector<int64_t> key;
+  thread_local std::vector<void*> handles;
+  thread_local std::vector<TpuRet> rets(64);
+  std::vector<at::Tensor> outs;
+  if (!replay_key(args, key, handles)) return {-1, std::move(outs)};
+  for (int attempt = 0;; ++attempt) {
+    TpuError err;
+    clear_error(err);
+    int32_t nrets = 0;
+    int64_t program = -1;
+    int32_t status = tpu_rs_graph_replay(graph, key.data(), static_cast<int64_t>(key.size()), handles.data(),
+                                         static_cast<int64_t>(handles.size()), static_cast<int32_t>(rets.size()),
+                                         &nrets, rets.data(), &program, &err);
+    switch (status) {
+      case TPU_OK:
+        outs.reserve(nrets);
+        for (int32_t k = 0; k < nrets; ++k) {
+          try {
+            outs.push_back(wrap_handle(rets[k]));
+          } catch (...) {
+            for (int32_t j = k + 1; j < nrets; ++j) tpu_deleter(rets[j].handle);
+            throw;
+          }
+        }
+        return {program, std::move(outs)};
+      case TPU_DECLINED:
+        return {-1, std::move(outs)};
+      case TPU_NEED_RESIZE:  // more outputs than `rets` holds; nothing ran
+        TORCH_CHECK(attempt == 0 && nrets > static_cast<int32_t>(rets.size()), "tpu: replay output count");
+        rets.resize(nrets);
+        continue;
+      default:
+        throw_tpu_error(err);
+    }
+  }
+}
+
+// Makes later calls of `graph` with the layout of `args` run `program` natively.
+void tpu_bind_op(int64_t graph, at::TensorList args, int64_t program) {
+  std::vector<int64_t> key;
+  std::vector<void*> handles;
+  if (!replay_key(args, key, handles)) return;
+  TpuError err;
+  clear_error(err);
+  if (tpu_rs_graph_bind(graph, key.data(), static_cast<int64_t>(key.size()), program, &err) != 0)
+    throw_tpu_error(err);
+}
+
+// ----------------------------------------------------------------------------
 // Registration
 // ----------------------------------------------------------------------------
 
@@ -1078,6 +1162,12 @@ void init_locked() {
   cpp("_copy_from", TORCH_FN(tpu_copy_from));
   cpp("_copy_from_and_resize", TORCH_FN(tpu_copy_from_and_resize));
   cpp("_local_scalar_dense", TORCH_FN(tpu_local_scalar_dense));
+
+  // Our own ops, called by compile.py. A catch-all kernel: no autograd, any device.
+  static torch::Library* own =
+      new torch::Library(torch::Library::DEF, "torch_pjrt", std::nullopt, __FILE__, __LINE__);
+  own->def("replay(int graph, Tensor[] args) -> (int, Tensor[])", TORCH_FN(tpu_replay_op));
+  own->def("bind(int graph, Tensor[] args, int program) -> ()", TORCH_FN(tpu_bind_op));
 
   // Their composite defaults throw for non-CPU/CUDA devices (P5).
   register_boxed_locked("convolution_overrideable");

@@ -1,7 +1,8 @@
 //! torch.compile support: capture a graph's ops once (through the DeferAndFuse recorder and
 //! the same lowering rules), then replay the compiled program on new inputs.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::c_void;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -12,7 +13,8 @@ use runtime::defer::{Captured, Handles};
 use runtime::exec::Loc;
 use runtime::{Storage, TensorRef, View};
 
-use crate::abi::{dtype_from_c10, dtype_to_c10};
+use crate::abi::{dtype_from_c10, dtype_to_c10, TpuError, TpuRet, MAX_DIMS};
+use crate::ffi::{fill_tensor_ret, guarded, DECLINED, NEED_RESIZE, OK};
 
 /// A tensor as Python describes it: (storage handle, c10 dtype, sizes, strides, offset, nbytes).
 type Meta = (usize, i32, Vec<i64>, Vec<i64>, i64, i64);
@@ -48,6 +50,15 @@ static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
 
 fn programs() -> std::sync::MutexGuard<'static, BTreeMap<usize, Arc<Entry>>> {
     PROGRAMS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Per graph (compile.py's `_Graph.gid`): program ids by the input layout key the shim
+/// computes, for `torch_pjrt::replay`. Entries go with their program (`release`).
+type BoundKeys = HashMap<i64, HashMap<Vec<i64>, usize>>;
+static BOUND: Mutex<Option<BoundKeys>> = Mutex::new(None);
+
+fn bound() -> std::sync::MutexGuard<'static, Option<BoundKeys>> {
+    BOUND.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn err(e: runtime::Error) -> PyErr {
@@ -149,6 +160,10 @@ fn capture_end(
 fn release(py: Python<'_>, id: usize) -> bool {
     let e = programs().remove(&id);
     let live = e.is_some();
+    if let Some(b) = bound().as_mut() {
+        b.values_mut().for_each(|keys| keys.retain(|_, p| *p != id));
+        b.retain(|_, keys| !keys.is_empty());
+    }
     // Dropped outside the table's lock; PJRT frees the buffers without the GIL.
     py.allow_threads(|| drop(e));
     live
@@ -158,6 +173,14 @@ fn release(py: Python<'_>, id: usize) -> bool {
 #[pyfunction]
 fn live_programs() -> usize {
     programs().len()
+}
+
+/// The number of (graph, input layout) pairs `torch_pjrt::replay` can find (for tests).
+#[pyfunction]
+fn bound_layouts() -> usize {
+    bound()
+        .as_ref()
+        .map_or(0, |b| b.values().map(|k| k.len()).sum())
 }
 
 /// Delivers the capture's first results into freshly allocated output tensors.
@@ -184,6 +207,101 @@ fn replay(py: Python<'_>, id: usize, inputs: Vec<usize>, outs: Vec<usize>) -> Py
         rt.replay(&e.captured, &ins, &outs, gen_state(e.captured.device))
     })
     .map_err(err)
+}
+
+/// `torch_pjrt::replay`'s work: runs the program bound to (graph, key) on `inputs` and
+/// fills `rets` with its outputs as new storages.
+///
+/// # Safety
+/// Pointers as described in tpu_abi.h; `inputs` are live storage handles.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_graph_replay(
+    graph: i64,
+    key: *const i64,
+    nkey: i64,
+    inputs: *const *mut c_void,
+    ninputs: i64,
+    max_rets: i32,
+    nrets: *mut i32,
+    rets: *mut TpuRet,
+    program: *mut i64,
+    err: *mut TpuError,
+) -> i32 {
+    guarded(err, "graph replay", || {
+        // SAFETY: arrays of the given lengths per the ABI.
+        let key = unsafe { std::slice::from_raw_parts(key, nkey.max(0) as usize) };
+        let inputs = unsafe { std::slice::from_raw_parts(inputs, ninputs.max(0) as usize) };
+        let id = bound()
+            .as_ref()
+            .and_then(|b| b.get(&graph)?.get(key).copied());
+        let Some(e) = id.and_then(|id| programs().get(&id).cloned()) else {
+            return Ok(DECLINED);
+        };
+        let c = &e.captured;
+        // SAFETY: nrets and program are valid per the ABI.
+        unsafe { *nrets = c.outputs.len() as i32 };
+        if c.outputs.len() > max_rets.max(0) as usize {
+            return Ok(NEED_RESIZE);
+        }
+        if c.outputs.iter().any(|(_, s)| s.len() > MAX_DIMS) {
+            return Ok(DECLINED);
+        }
+        let outs: Vec<*const Storage> = c
+            .outputs
+            .iter()
+            .map(|(dt, s)| {
+                let n = s.iter().product::<i64>() * dt.size() as i64;
+                Storage::new(n, c.device).into_handle() as *const Storage
+            })
+            .collect();
+        let ins: Vec<*const Storage> = inputs.iter().map(|h| *h as *const Storage).collect();
+        let rt = runtime::get()?;
+        if let Err(er) = rt.replay(c, &ins, &outs, gen_state(c.device)) {
+            for h in outs {
+                // SAFETY: fresh boxes nobody else owns.
+                drop(unsafe { Storage::from_handle(h) });
+            }
+            return Err(er);
+        }
+        // SAFETY: rets has room for max_rets >= outputs entries.
+        let slots = unsafe { std::slice::from_raw_parts_mut(rets, c.outputs.len()) };
+        for ((slot, h), (dt, s)) in slots.iter_mut().zip(outs).zip(&c.outputs) {
+            fill_tensor_ret(slot, h as *mut Storage, *dt, s, c.device)?;
+        }
+        // SAFETY: as above.
+        unsafe { *program = id.unwrap_or(0) as i64 };
+        Ok(OK)
+    })
+}
+
+/// `torch_pjrt::bind`: later replays of `graph` with this layout key run `program`.
+///
+/// # Safety
+/// `key` holds `nkey` values.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_graph_bind(
+    graph: i64,
+    key: *const i64,
+    nkey: i64,
+    program: i64,
+    err: *mut TpuError,
+) -> i32 {
+    guarded(err, "graph bind", || {
+        // SAFETY: per the ABI.
+        let key = unsafe { std::slice::from_raw_parts(key, nkey.max(0) as usize) };
+        let id = program as usize;
+        if program < 0 || !programs().contains_key(&id) {
+            return Err(runtime::Error::runtime(format!(
+                "no compiled graph {program}"
+            )));
+        }
+        bound()
+            .get_or_insert_with(HashMap::new)
+            .entry(graph)
+            .or_default()
+            .insert(key.to_vec(), id);
+        Ok(OK)
+    })
 }
 
 struct SendHandles(Handles);
@@ -261,5 +379,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(captured_inputs, m)?)?;
     m.add_function(wrap_pyfunction!(release, m)?)?;
     m.add_function(wrap_pyfunction!(live_programs, m)?)?;
+    m.add_function(wrap_pyfunction!(bound_layouts, m)?)?;
     Ok(())
 }

@@ -15,10 +15,10 @@ use crate::abi::*;
 pub static FALLBACK_ENABLED: AtomicBool = AtomicBool::new(true);
 static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 
-const OK: i32 = 0;
-const DECLINED: i32 = 1;
+pub(crate) const OK: i32 = 0;
+pub(crate) const DECLINED: i32 = 1;
 const ERROR: i32 = 2;
-const NEED_RESIZE: i32 = 3;
+pub(crate) const NEED_RESIZE: i32 = 3;
 
 fn panic_msg(p: Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {
@@ -31,7 +31,11 @@ fn panic_msg(p: Box<dyn std::any::Any + Send>) -> String {
 }
 
 /// Runs `f`, turning errors and panics into `err` and a non-zero code.
-fn guarded(err: *mut TpuError, what: &str, f: impl FnOnce() -> runtime::Result<i32>) -> i32 {
+pub(crate) fn guarded(
+    err: *mut TpuError,
+    what: &str,
+    f: impl FnOnce() -> runtime::Result<i32>,
+) -> i32 {
     let r = catch_unwind(AssertUnwindSafe(f));
     let (kind, msg) = match r {
         Ok(Ok(code)) => return code,
@@ -58,7 +62,7 @@ fn storage<'a>(h: *mut c_void) -> &'a Storage {
     unsafe { &*(h as *const Storage) }
 }
 
-fn fill_tensor_ret(
+pub(crate) fn fill_tensor_ret(
     r: &mut TpuRet,
     handle: *mut Storage,
     dtype: runtime::DType,
