@@ -110,12 +110,15 @@ class _Graph:
     """One AOTAutograd graph (forward or backward) and its compiled programs by input layout,
     least recently used first."""
 
-    def __init__(self, gm, dump, max_programs=DEFAULT_MAX_PROGRAMS):
+    def __init__(self, gm, dump, max_programs=DEFAULT_MAX_PROGRAMS, inference=False):
         # AOTAutograd passes the arguments as one list. An instance attribute, so that
         # functools.wraps (Dynamo's disable() around the backward) copies it.
         self._boxed_call = True
         self.gm = gm
         self.dump = dump
+        # No autograd (AOTAutograd's inference graph): one that writes its inputs is an
+        # optimizer step, and ends a training step for DeferAndFuse.
+        self.inference = inference
         self.max_programs = max_programs
         self.programs = collections.OrderedDict()
         # Keys evicted or released, to name the reason when they come back (bounded).
@@ -244,7 +247,8 @@ class _Graph:
                 self.programs[key] = "eager"
                 counters["graph_breaks"] += 1
                 return res
-            r = _C.capture_end(device, [_meta(t) for t in tensors], [_meta(t) for t in flat])
+            r = _C.capture_end(device, [_meta(t) for t in tensors], [_meta(t) for t in flat],
+                               self.inference)
         if r is None:
             # An op fell back to the CPU or a value was read mid-graph: keep it eager.
             self.programs[key] = "eager"
@@ -347,13 +351,14 @@ def tpu_backend(gm, example_inputs, mode=None, options=None, **kwargs):
             f"torch.compile(backend='tpu'): max_programs must be a positive int or None, got {max_programs!r}"
         )
 
-    def compiler(g, _inputs):
-        return _Graph(g, dump, max_programs)
+    def compiler(g, _inputs, inference=False):
+        return _Graph(g, dump, max_programs, inference)
 
     # Inference graphs (an optimizer step) keep their in-place updates of inputs: the
     # program writes them back into the input storages instead of returning copies that
     # AOTAutograd would copy_ in one eager op each.
     return aot_autograd(fw_compiler=compiler, bw_compiler=compiler,
+                        inference_compiler=functools.partial(compiler, inference=True),
                         keep_inference_input_mutations=True,
                         decompositions=dict(_decompositions() if decomp == "core"
                                             else _required_decompositions()))(gm, example_inputs)

@@ -769,20 +769,21 @@ impl Runtime {
             return Ok(());
         }
         for device in 0..self.defer.graphs.len() {
-            let run = {
-                let mut g = lock(&self.defer.graphs[device]);
-                if g.capturing || g.ops == 0 {
-                    false
-                } else {
-                    g.steps += 1;
-                    g.steps >= 2 || g.ops * 2 >= self.defer.max_ops
-                }
-            };
+            let run = self.step_ends(&mut lock(&self.defer.graphs[device]));
             if run {
                 self.flush(device, "optimizer step")?;
             }
         }
         Ok(())
+    }
+
+    /// Counts a step's end in a pending graph; whether the graph should run now.
+    fn step_ends(&self, g: &mut Graph) -> bool {
+        if g.capturing || g.ops == 0 {
+            return false;
+        }
+        g.steps += 1;
+        g.steps >= 2 || g.ops * 2 >= self.defer.max_ops
     }
 
     /// Flushes every device.
@@ -814,6 +815,17 @@ pub struct Captured {
     callees: Vec<Arc<Fragment>>,
     param_types: Vec<TensorType>,
     ops: usize,
+    /// A replay ends a training step (an update graph: see `Captured::set_ends_step`).
+    ends_step: bool,
+}
+
+impl Captured {
+    /// Marks an inference graph that writes its inputs (a compiled optimizer step, whose
+    /// Python step hooks Dynamo traced away) as the end of a training step: in DeferAndFuse
+    /// its replay counts as `step_boundary` does.
+    pub fn set_ends_step(&mut self, inference: bool) {
+        self.ends_step = inference && !self.input_writes.is_empty();
+    }
 }
 
 /// One call of a captured graph: its input storages, the storages it writes (new outputs,
@@ -1065,6 +1077,7 @@ impl Runtime {
                 callees,
                 param_types,
                 ops: n_ops,
+                ends_step: false,
             },
             handles,
         )))
@@ -1166,6 +1179,10 @@ impl Runtime {
             for ((kind, msg), v) in c.checks.iter().zip(vals) {
                 g.checks.push((v, *kind, msg.clone()));
             }
+        }
+        if c.ends_step && self.step_ends(&mut g) {
+            drop(g);
+            return self.flush(device, "optimizer step");
         }
         self.flush_if_full(device, g)
     }

@@ -125,21 +125,26 @@ fn capture_begin(py: Python<'_>, device: usize) -> PyResult<()> {
 }
 
 /// Ends a capture; returns (id, [(dtype, sizes)] of the outputs) or None if it broke.
+/// `inference`: AOTAutograd's graph without autograd (an optimizer step when it writes
+/// its inputs).
 #[pyfunction]
+#[pyo3(signature = (device, inputs, outputs, inference=false))]
 fn capture_end(
     device: usize,
     inputs: Vec<Meta>,
     outputs: Vec<Meta>,
+    inference: bool,
 ) -> PyResult<Option<(usize, Vec<OutMeta>)>> {
     let rt = rt()?;
     let ins: Vec<TensorRef> = inputs.iter().map(|m| tensor(m, device)).collect();
     let outs: Vec<TensorRef> = outputs.iter().map(|m| tensor(m, device)).collect();
-    let Some((captured, handles)) = rt
+    let Some((mut captured, handles)) = rt
         .capture_end(device, &ins, &outs, gen_state(device))
         .map_err(err)?
     else {
         return Ok(None);
     };
+    captured.set_ends_step(inference);
     let meta = captured
         .outputs
         .iter()
