@@ -239,7 +239,7 @@ pub unsafe extern "C" fn tpu_rs_graph_replay(
         let id = bound()
             .as_ref()
             .and_then(|b| b.get(&graph)?.get(key).copied());
-        let Some(e) = id.and_then(|id| programs().get(&id).cloned()) else {
+        let Some((id, e)) = id.and_then(|id| Some((id, programs().get(&id).cloned()?))) else {
             return Ok(DECLINED);
         };
         let c = &e.captured;
@@ -274,7 +274,7 @@ pub unsafe extern "C" fn tpu_rs_graph_replay(
             fill_tensor_ret(slot, h as *mut Storage, *dt, s, c.device)?;
         }
         // SAFETY: as above.
-        unsafe { *program = id.unwrap_or(0) as i64 };
+        unsafe { *program = id as i64 };
         Ok(OK)
     })
 }
