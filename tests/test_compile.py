@@ -561,6 +561,30 @@ def test_native_replay_layouts_and_lru(mode, monkeypatch):
     assert torch_pjrt._C.bound_layouts() == bound0
 
 
+def test_native_replay_many_outputs(mode, monkeypatch):
+    """A graph with more outputs than the shim's first result buffer (64) replays natively
+    after growing it."""
+    from torch_pjrt import compile as tc
+
+    keys = []
+    orig = tc._Graph._key
+    monkeypatch.setattr(tc._Graph, "_key", staticmethod(lambda args: keys.append(1) or orig(args)))
+
+    def f(x):
+        return tuple((x * i).sin() for i in range(70))
+
+    cf = torch.compile(f, backend="tpu")
+    x = torch.randn(3)
+    xt = x.to("tpu")
+    for _ in range(3):
+        got = cf(xt)
+        assert len(got) == 70
+        for a, b in zip(got, f(x), strict=True):
+            assert_close(a, b, atol=1e-6, rtol=1e-5)
+    assert compile_counters()["compiled_graphs"] == 1
+    assert len(keys) == 1, keys  # the capture only
+
+
 def program_loads():
     m = torch_pjrt.metrics()
     return m["compilations"] + m.get("disk_hits", 0)
