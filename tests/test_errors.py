@@ -47,6 +47,15 @@ ERROR_CASES = {
     "mean_int": (lambda a: a.mean(), [ones(3, dtype=torch.int64)]),
     "add_inplace_broadcast": (lambda a, b: a.add_(b), [ones(3, 1), ones(3, 3)]),
     "mul_inplace_cast": (lambda a: a.mul_(1.5), [ones(3, dtype=torch.int64)]),
+    "addr_vec_dim": (torch.addr, [ones(3, 2), ones(3), ones(2, 2)]),
+    "addr_expand": (torch.addr, [ones(4, 2), ones(3), ones(2)]),
+    "addr_int_float_beta": (lambda a, u, v: torch.addr(a, u, v, beta=0.5),
+                            [ones(3, 2, dtype=torch.int64), ones(3, dtype=torch.int64),
+                             ones(2, dtype=torch.int64)]),
+    "addr_bool_alpha": (lambda a, u, v: torch.addr(a, u, v, alpha=True), [ones(3, 2), ones(3), ones(2)]),
+    # in place, self is the result: not expanded, its shape is checked
+    "addr_inplace_0d": (lambda a, u, v: a.addr_(u, v), [ones(()), ones(3), ones(2)]),
+    "addr_inplace_shape": (lambda a, u, v: a.addr_(u, v), [ones(1, 2), ones(3), ones(2)]),
     "where_shapes": (lambda a: torch.where(a > 0, a, torch.ones(4, device=a.device)), [ones(3)]),
     # Index values: checked on the device, raised at the op (Debug) or at the next
     # synchronization or host read (Strict, DeferAndFuse).

@@ -1,7 +1,8 @@
 //! Matrix products.
 
+use crate::args::Scalar;
 use crate::shape::shape_str;
-use crate::{user_err, Builder, Ctx, ErrorKind, LResult, Out, Rule, TensorArg, Value};
+use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value};
 
 use super::nn::opmath;
 use super::{common, mat, Opnd};
@@ -202,6 +203,113 @@ fn outer(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.mul(x, y))])
 }
 
+/// `beta * self + (alpha * vec1) outer vec2`, each step in the result dtype (the CPU kernel
+/// rounds half types after every op); bool results are `(beta && self) || (alpha && vec1
+/// && vec2)`.
+fn addr(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let s = c.args.tensor("self")?.clone();
+    let v1 = c.args.tensor("vec1")?.clone();
+    let v2 = c.args.tensor("vec2")?.clone();
+    for (name, v) in [("vec1", &v1), ("vec2", &v2)] {
+        if v.shape.len() != 1 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "addr: Expected 1-D argument {name}, but got {}-D",
+                    v.shape.len()
+                ),
+            );
+        }
+    }
+    let out = [v1.shape[0], v2.shape[0]];
+    if c.op.ends_with('_') {
+        // In place, self is the result: PyTorch checks its shape instead of expanding it.
+        if s.shape.len() != 2 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "2D tensor expected, got {}D tensor for input",
+                    s.shape.len()
+                ),
+            );
+        }
+        if s.shape != out {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "size mismatch, input: {}, v1: {}, v2: {}",
+                    shape_str(&s.shape),
+                    shape_str(&v1.shape),
+                    shape_str(&v2.shape)
+                ),
+            );
+        }
+    } else {
+        super::views::expand_check(&s.shape, &out)?;
+    }
+    // Promoted like self + vec1 * vec2, without broadcasting the vectors together.
+    let dt = crate::promote::result_type(&[&s, &v1, &v2].map(|t| Opnd::T(t.clone()).promo()));
+    let coef = |n: &str| c.args.opt_scalar(n).unwrap_or(Scalar::Int(1));
+    let (beta, alpha) = (coef("beta"), coef("alpha"));
+    for (name, k) in [("beta", beta), ("alpha", alpha)] {
+        if !dt.is_float() && matches!(k, Scalar::Float(_)) {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "For integral input tensors, argument {name} must not be a floating point number."
+                ),
+            );
+        }
+        if dt != DType::Bool && matches!(k, Scalar::Bool(_)) {
+            return user_err(
+                ErrorKind::Runtime,
+                format!("Boolean {name} only supported for Boolean results."),
+            );
+        }
+    }
+    let (beta, alpha) = (beta.as_f64(), alpha.as_f64());
+    let b = &mut *c.b;
+    let x = b.convert(v1.value, dt);
+    let y = b.convert(v2.value, dt);
+    let r = if dt == DType::Bool {
+        let x = b.broadcast_in_dim(x, &out, &[0]);
+        let y = b.broadcast_in_dim(y, &out, &[1]);
+        let p = if alpha != 0.0 {
+            b.and(x, y)
+        } else {
+            b.splat(x, 0.0)
+        };
+        if beta != 0.0 {
+            let sv = mat(b, &Opnd::T(s), dt, &out);
+            b.or(sv, p)
+        } else {
+            p
+        }
+    } else {
+        let x = if alpha != 1.0 {
+            let k = b.splat(x, alpha);
+            b.mul(k, x)
+        } else {
+            x
+        };
+        let x = b.broadcast_in_dim(x, &out, &[0]);
+        let y = b.broadcast_in_dim(y, &out, &[1]);
+        let p = b.mul(x, y);
+        // beta == 0 ignores self, even NaN in it.
+        if beta != 0.0 {
+            let mut sv = mat(b, &Opnd::T(s), dt, &out);
+            if beta != 1.0 {
+                let k = b.splat(sv, beta);
+                sv = b.mul(k, sv);
+            }
+            b.add(sv, p)
+        } else {
+            p
+        }
+    };
+    Ok(vec![Out::T(r)])
+}
+
 /// `linalg_matrix_exp` by scaling and squaring: A / 2^s (s from A's 1-norm, per matrix) goes
 /// through a degree-18 Taylor polynomial, then the result is squared s times in a loop.
 fn matrix_exp(c: &mut Ctx) -> LResult<Vec<Out>> {
@@ -318,5 +426,6 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::mv", mv),
     ("aten::addmv", mv),
     ("aten::outer", outer),
+    ("aten::addr", addr),
     ("aten::linalg_matrix_exp", matrix_exp),
 ];

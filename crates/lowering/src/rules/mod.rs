@@ -66,6 +66,7 @@ pub fn claimed() -> Vec<&'static str> {
         "aten::native_group_norm",
         "aten::_native_batch_norm_legit_no_training",
         "aten::narrow_copy",
+        "aten::addr",
     ];
     let mut v: Vec<&str> = explicit
         .into_iter()
