@@ -528,3 +528,51 @@ def test_type_promotion_results():
     assert r.dtype == torch.float32 and r.cpu().tolist() == [2.5, 2.5]
     assert (torch.ones(2, dtype=torch.int64, device="tpu") + torch.tensor(1.5, device=TPU)).dtype \
         == torch.float32
+
+
+def _mask_put(x, m, v, accumulate=False):
+    return x.index_put_((m,), v, accumulate=accumulate)
+
+
+# Boolean (and uint8) masks: read back and turned into index tensors, then indexed on tpu.
+MASK_CASES = {
+    "rows": lambda x, m: x[m[:, 0, 0]],
+    "two_dims": lambda x, m: x[m[..., 0]],
+    "all_dims": lambda x, m: x[m],
+    "after_slice": lambda x, m: x[:, m[0, :, 0]],
+    "with_long_index": lambda x, m: x[m[:, 0, 0], 1],
+    "uint8": lambda x, m: x[m[..., 0].to(torch.uint8)],
+    "none_true": lambda x, m: x[torch.zeros_like(m[..., 0])],
+    "put_scalar": lambda x, m: _mask_put(x, m, torch.tensor(0.5, device=x.device)),
+    "put_rows": lambda x, m: _mask_put(x, m[..., 0], torch.arange(5.0, device=x.device)),
+    "put_accumulate": lambda x, m: _mask_put(x, m[..., 0], torch.ones(5, device=x.device), True),
+    "setitem": lambda x, m: x.__setitem__(m, -1.0) or x,
+}
+
+
+@pytest.mark.filterwarnings("ignore:indexing with dtype torch.uint8")
+@pytest.mark.parametrize("name", list(MASK_CASES))
+def test_boolean_mask_indexing(name, seed):
+    x = torch.randn(4, 3, 5)
+    compare(MASK_CASES[name], x, x > 0.2, check_fallback=True)
+
+
+def test_boolean_mask_gradient_and_cpu_mask(seed, no_fallback):
+    x = torch.randn(4, 3, requires_grad=True)
+    m = x.detach() > 0
+    g = torch.autograd.grad((x[m] ** 2).sum(), x)[0]
+    xt = x.detach().to("tpu").requires_grad_()
+    gt = torch.autograd.grad((xt[m.to("tpu")] ** 2).sum(), xt)[0]
+    torch.testing.assert_close(gt.cpu(), g)
+    # a CPU mask may index a tpu tensor, as on CUDA
+    torch.testing.assert_close(xt.detach()[m].cpu(), x.detach()[m])
+
+
+def test_boolean_mask_shape_mismatch_raises_like_cpu():
+    x = torch.randn(4, 3)
+    for bad in (torch.ones(3, dtype=torch.bool), torch.ones(4, 4, dtype=torch.bool)):
+        with pytest.raises(IndexError) as cpu:
+            x[bad]
+        with pytest.raises(IndexError) as tpu:
+            x.to("tpu")[bad.to("tpu")]
+        assert str(tpu.value) == str(cpu.value)

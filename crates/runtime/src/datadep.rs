@@ -10,7 +10,7 @@ use crate::exec::{dispatch, Loc, Outcome, Param, RArg, Ret, TensorRef};
 use crate::layout::View;
 use crate::storage::Storage;
 use crate::{Error, Result, Runtime};
-use lowering::shape::{broadcast_shapes, contiguous_strides};
+use lowering::shape::{broadcast_shapes, contiguous_strides, shape_str};
 use stablehlo::DType;
 
 type HostOp = fn(&Runtime, &[Param]) -> Result<Vec<Ret>>;
@@ -129,6 +129,109 @@ fn masked_select(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
         m.device
     };
     Ok(vec![new_tensor(rt, &out, dtype, vec![n], device)?])
+}
+
+/// The ops whose `indices` may hold boolean masks.
+fn mask_indexed(op: &str) -> bool {
+    matches!(
+        op,
+        "aten::index"
+            | "aten::index_put"
+            | "aten::index_put_"
+            | "aten::_index_put_impl"
+            | "aten::_index_put_impl_"
+    )
+}
+
+/// Index tensors made for one call, kept alive until it returns.
+pub type Made = Vec<Arc<Storage>>;
+
+/// `params` with each boolean (or uint8) mask in `indices` replaced by the long index
+/// tensors of its nonzero elements, one per mask dim, as PyTorch does before indexing.
+/// The mask is read back: like `nonzero`, this synchronizes. None when no mask is given.
+pub fn expand_masks(
+    rt: &Runtime,
+    op: &str,
+    params: &[Param],
+) -> Result<Option<(Vec<Param>, Made)>> {
+    if !mask_indexed(op) {
+        return Ok(None);
+    }
+    let Some(pos) = params.iter().position(|p| p.name == "indices") else {
+        return Ok(None);
+    };
+    let RArg::List(list) = &params[pos].arg else {
+        return Ok(None);
+    };
+    let is_mask =
+        |a: &RArg| matches!(a, RArg::Tensor(t) if matches!(t.dtype, Some(DType::Bool | DType::U8)));
+    if !list.iter().any(is_mask) {
+        return Ok(None);
+    }
+    let me = tensor(params, "self")?;
+    let shape = &me.view.sizes;
+    let mut made = Made::new();
+    let mut out = Vec::new();
+    for a in list {
+        let RArg::Tensor(m) = a else {
+            out.push(a.clone());
+            continue;
+        };
+        if !is_mask(a) {
+            out.push(a.clone());
+            continue;
+        }
+        let dim = out.len();
+        for (j, d) in m.view.sizes.iter().enumerate() {
+            if shape.get(dim + j) != Some(d) {
+                return Err(Error::new(
+                    crate::ErrorKind::Index,
+                    format!(
+                        "The shape of the mask {} at index {j} does not match the shape of the indexed tensor {} at index {}",
+                        shape_str(&m.view.sizes),
+                        shape_str(shape),
+                        dim + j
+                    ),
+                ));
+            }
+        }
+        let sizes = m.view.sizes.clone();
+        let mask = match m.loc {
+            // SAFETY: PyTorch keeps the CPU mask alive during the call and its view is inside
+            // its storage; bool and uint8 elements are one byte.
+            Loc::Host(p) => unsafe { crate::host::read(p, &m.view, 1) },
+            Loc::Device(_) => host_bytes(rt, m, &sizes, DType::Bool)?,
+        };
+        let strides = contiguous_strides(&sizes);
+        let mut cols: Vec<Vec<u8>> = vec![Vec::new(); sizes.len()];
+        for (i, _) in mask.iter().enumerate().filter(|(_, b)| **b != 0) {
+            for (d, st) in strides.iter().enumerate() {
+                let coord = (i as i64 / st) % sizes[d].max(1);
+                cols[d].extend_from_slice(&coord.to_le_bytes());
+            }
+        }
+        for col in cols {
+            let n = (col.len() / 8) as i64;
+            let buf = rt.upload(&col, DType::I64, &[n], me.device)?;
+            let st = Arc::new(Storage::with_buffer(Arc::new(buf), DType::I64, me.device));
+            out.push(RArg::Tensor(TensorRef {
+                loc: Loc::Device(Arc::as_ptr(&st)),
+                dtype: Some(DType::I64),
+                view: View {
+                    sizes: vec![n],
+                    strides: vec![1],
+                    offset: 0,
+                },
+                nbytes: n * 8,
+                wrapped: false,
+                device: me.device,
+            }));
+            made.push(st);
+        }
+    }
+    let mut expanded = params.to_vec();
+    expanded[pos].arg = RArg::List(out);
+    Ok(Some((expanded, made)))
 }
 
 /// The tensor viewed with broadcast strides (stride 0 on expanded dims).

@@ -347,6 +347,9 @@ fn wrap_scalars(op: &str, params: &[Param], store: &mut Vec<f64>) -> Option<Vec<
 
 /// Runs one op.
 pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Result<Outcome> {
+    if let Some((expanded, _made)) = crate::datadep::expand_masks(rt, op, params)? {
+        return dispatch(rt, op, overload, &expanded);
+    }
     let mut store = Vec::new();
     let wrapped = wrap_scalars(op, params, &mut store);
     let params = wrapped.as_deref().unwrap_or(params);
