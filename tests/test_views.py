@@ -576,3 +576,23 @@ def test_boolean_mask_shape_mismatch_raises_like_cpu():
         with pytest.raises(IndexError) as tpu:
             x.to("tpu")[bad.to("tpu")]
         assert str(tpu.value) == str(cpu.value)
+
+
+UNIQUE_CASES = {
+    "sorted_all": lambda x: torch.unique(x, return_inverse=True, return_counts=True),
+    "unsorted": lambda x: torch.unique(x, sorted=False, return_inverse=True),
+    "values_only": lambda x: torch.unique(x),
+    "private": lambda x: torch.ops.aten._unique(x, False, True),
+    "consecutive": lambda x: torch.unique_consecutive(x, return_inverse=True, return_counts=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool])
+@pytest.mark.parametrize("name", list(UNIQUE_CASES))
+def test_unique_on_the_host_without_fallback(name, dtype, seed):
+    # NaNs sort last, each its own value; -0.0 and 0.0 are one value; the inverse keeps the
+    # input's shape.
+    x = torch.tensor([[3.0, float("nan"), 1.0, 3.0], [-0.0, 0.0, float("nan"), 3.0]])
+    if dtype in (torch.int64, torch.bool):
+        x = torch.randint(0, 3, (2, 6))
+    compare(UNIQUE_CASES[name], x.to(dtype), check_fallback=True)

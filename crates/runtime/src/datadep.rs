@@ -16,11 +16,20 @@ use stablehlo::DType;
 type HostOp = fn(&Runtime, &[Param]) -> Result<Vec<Ret>>;
 
 /// Ops handled here instead of by a lowering rule.
-pub fn find(op: &str) -> Option<HostOp> {
+pub fn find(op: &str, params: &[Param]) -> Option<HostOp> {
     match op {
         "aten::nonzero" => Some(nonzero),
         "aten::masked_select" => Some(masked_select),
         "aten::equal" => Some(equal),
+        "aten::_unique" | "aten::_unique2" => Some(unique_sorted),
+        // Along a dim it runs on the CPU fallback.
+        "aten::unique_consecutive"
+            if params
+                .iter()
+                .all(|p| p.name != "dim" || matches!(p.arg, RArg::None)) =>
+        {
+            Some(unique_consecutive)
+        }
         _ => None,
     }
 }
@@ -129,6 +138,87 @@ fn masked_select(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
         m.device
     };
     Ok(vec![new_tensor(rt, &out, dtype, vec![n], device)?])
+}
+
+fn flag(params: &[Param], name: &str) -> bool {
+    params
+        .iter()
+        .any(|p| p.name == name && matches!(p.arg, RArg::Bool(true)))
+}
+
+/// `torch.unique`: sorted whatever `sorted` says (as on the CPU), NaNs last and each its own
+/// value, -0.0 and 0.0 one value (the first in a stable sort).
+fn unique_sorted(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    unique(rt, params, true)
+}
+
+/// `unique_consecutive` over the flattened tensor.
+fn unique_consecutive(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    unique(rt, params, false)
+}
+
+/// Values, inverse indices (self's shape, empty unless asked) and counts (empty unless
+/// asked; `_unique` returns no counts), computed on the host.
+fn unique(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
+    let t = tensor(params, "self")?;
+    let dtype = t
+        .dtype
+        .ok_or_else(|| Error::runtime("unique: unsupported dtype"))?;
+    let sizes = t.view.sizes.clone();
+    let bytes = host_bytes(rt, t, &sizes, dtype)?;
+    let k = dtype.size();
+    let vals: Vec<crate::host::Scalar> = bytes
+        .chunks(k)
+        .map(|b| crate::host::scalar(b, dtype))
+        .collect();
+    use crate::host::Scalar::{Float, Int};
+    let order_of = |a: &crate::host::Scalar, b: &crate::host::Scalar| match (a, b) {
+        (Float(x), Float(y)) => match (x.is_nan(), y.is_nan()) {
+            (true, true) => std::cmp::Ordering::Equal,
+            (true, false) => std::cmp::Ordering::Greater,
+            (false, true) => std::cmp::Ordering::Less,
+            _ => x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal),
+        },
+        (Int(x), Int(y)) => x.cmp(y),
+        _ => std::cmp::Ordering::Equal,
+    };
+    // NaN != NaN: every NaN starts a group of its own.
+    let same = |a: &crate::host::Scalar, b: &crate::host::Scalar| match (a, b) {
+        (Float(x), Float(y)) => x == y,
+        (Int(x), Int(y)) => x == y,
+        _ => false,
+    };
+    let mut order: Vec<usize> = (0..vals.len()).collect();
+    if sort {
+        order.sort_by(|a, b| order_of(&vals[*a], &vals[*b]));
+    }
+    let mut out = Vec::new();
+    let mut inverse = vec![0i64; vals.len()];
+    let mut counts: Vec<i64> = Vec::new();
+    for (pos, i) in order.iter().enumerate() {
+        if pos == 0 || !same(&vals[order[pos - 1]], &vals[*i]) {
+            out.extend_from_slice(&bytes[i * k..(i + 1) * k]);
+            counts.push(0);
+        }
+        *counts.last_mut().expect("a group was started") += 1;
+        inverse[*i] = counts.len() as i64 - 1;
+    }
+    let n = counts.len() as i64;
+    let ints = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut rets = vec![new_tensor(rt, &out, dtype, vec![n], t.device)?];
+    rets.push(if flag(params, "return_inverse") {
+        new_tensor(rt, &ints(&inverse), DType::I64, sizes, t.device)?
+    } else {
+        new_tensor(rt, &[], DType::I64, vec![0], t.device)?
+    });
+    if params.iter().any(|p| p.name == "return_counts") {
+        rets.push(if flag(params, "return_counts") {
+            new_tensor(rt, &ints(&counts), DType::I64, vec![n], t.device)?
+        } else {
+            new_tensor(rt, &[], DType::I64, vec![0], t.device)?
+        });
+    }
+    Ok(rets)
 }
 
 /// The ops whose `indices` may hold boolean masks.

@@ -370,7 +370,7 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
     if var == Variant::Out {
         check_out_overlap(op, params)?;
     }
-    if let (Variant::Functional, Some(host_op)) = (var, crate::datadep::find(op)) {
+    if let (Variant::Functional, Some(host_op)) = (var, crate::datadep::find(op, params)) {
         let rets = host_op(rt, params)?;
         rt.metrics.native(op);
         return Ok(Outcome::Done(rets));
