@@ -4179,11 +4179,23 @@ fn native_dropout_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let g = tensor(c, "grad_output")?;
     let m = tensor(c, "mask")?;
     let scale = c.args.float("scale")?;
-    float_input(&g, "native_dropout_backward")?;
     if m.shape != g.shape {
         return decline("native_dropout_backward: mask shape");
     }
     let b = &mut *c.b;
+    if !g.dtype.is_float() {
+        // PyTorch's `grad * mask * scale`: the product in grad's dtype, then times the
+        // Python float, which makes the result float32.
+        let mv = b.convert(m.value, g.dtype);
+        let t = if g.dtype == DType::Bool {
+            b.and(g.value, mv)
+        } else {
+            b.mul(g.value, mv)
+        };
+        let t = b.convert(t, DType::F32);
+        let k = b.splat(t, scale);
+        return Ok(vec![Out::T(b.mul(t, k))]);
+    }
     let cd = opmath(g.dtype);
     let gv = b.convert(g.value, cd);
     let mv = b.convert(m.value, cd);
