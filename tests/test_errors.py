@@ -47,6 +47,8 @@ ERROR_CASES = {
     "mean_int": (lambda a: a.mean(), [ones(3, dtype=torch.int64)]),
     "add_inplace_broadcast": (lambda a, b: a.add_(b), [ones(3, 1), ones(3, 3)]),
     "mul_inplace_cast": (lambda a: a.mul_(1.5), [ones(3, dtype=torch.int64)]),
+    "repeat_interleave_negative": (torch.repeat_interleave, [idx(1, -1)]),
+    "repeat_interleave_2d": (torch.repeat_interleave, [lambda d: torch.ones(1, 2, dtype=torch.int64, device=d)]),
     "addr_vec_dim": (torch.addr, [ones(3, 2), ones(3), ones(2, 2)]),
     "addr_expand": (torch.addr, [ones(4, 2), ones(3), ones(2)]),
     "addr_int_float_beta": (lambda a, u, v: torch.addr(a, u, v, beta=0.5),

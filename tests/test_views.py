@@ -596,3 +596,12 @@ def test_unique_on_the_host_without_fallback(name, dtype, seed):
     if dtype in (torch.int64, torch.bool):
         x = torch.randint(0, 3, (2, 6))
     compare(UNIQUE_CASES[name], x.to(dtype), check_fallback=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_repeat_interleave_with_tensor_repeats_without_fallback(dtype, seed):
+    x = torch.randn(3, 4)
+    r = torch.tensor([2, 0, 3], dtype=dtype)
+    compare(lambda x, r: (torch.repeat_interleave(r), x.repeat_interleave(r, dim=0),
+                          x.repeat_interleave(torch.cat([r, r[:1]]), dim=1, output_size=7)),
+            x, r, check_fallback=True)

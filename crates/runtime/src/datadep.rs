@@ -22,6 +22,7 @@ pub fn find(op: &str, params: &[Param]) -> Option<HostOp> {
         "aten::masked_select" => Some(masked_select),
         "aten::equal" => Some(equal),
         "aten::_unique" | "aten::_unique2" => Some(unique_sorted),
+        "aten::repeat_interleave" => Some(repeat_interleave),
         // Along a dim it runs on the CPU fallback.
         "aten::unique_consecutive"
             if params
@@ -138,6 +139,56 @@ fn masked_select(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
         m.device
     };
     Ok(vec![new_tensor(rt, &out, dtype, vec![n], device)?])
+}
+
+/// `repeat_interleave(repeats)`: index `i` repeated `repeats[i]` times, in repeats' dtype
+/// (`x.repeat_interleave(r, dim)` is this, then `index_select`).
+fn repeat_interleave(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    let r = tensor(params, "repeats")?;
+    let dtype = r
+        .dtype
+        .ok_or_else(|| Error::runtime("repeat_interleave: unsupported dtype"))?;
+    if r.view.sizes.len() != 1 {
+        return Err(Error::runtime(
+            "repeat_interleave only accept 1D vector as repeat",
+        ));
+    }
+    if !matches!(dtype, DType::I32 | DType::I64) {
+        return Err(Error::new(
+            crate::ErrorKind::NotImplemented,
+            format!(
+                "\"repeat_interleave\" not implemented for '{}'",
+                lowering::promote::torch_name(dtype)
+            ),
+        ));
+    }
+    let counts: Vec<i64> = host_bytes(rt, r, &r.view.sizes, DType::I64)?
+        .chunks(8)
+        .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect();
+    if counts.iter().any(|c| *c < 0) {
+        return Err(Error::runtime("repeats can not be negative"));
+    }
+    let total: i64 = counts.iter().sum();
+    let wanted = params.iter().find_map(|p| match (p.name.as_str(), &p.arg) {
+        ("output_size", RArg::Int(n)) => Some(*n),
+        _ => None,
+    });
+    if wanted.is_some_and(|n| n != total) {
+        return Err(Error::runtime(
+            "allocated size does not match required size",
+        ));
+    }
+    let mut out = Vec::with_capacity(total as usize * dtype.size());
+    for (i, c) in counts.iter().enumerate() {
+        for _ in 0..*c {
+            match dtype {
+                DType::I32 => out.extend_from_slice(&(i as i32).to_le_bytes()),
+                _ => out.extend_from_slice(&(i as i64).to_le_bytes()),
+            }
+        }
+    }
+    Ok(vec![new_tensor(rt, &out, dtype, vec![total], r.device)?])
 }
 
 fn flag(params: &[Param], name: &str) -> bool {
