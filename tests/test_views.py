@@ -368,6 +368,7 @@ DETERMINISTIC_FACTORIES = {
     "arange": lambda d, **k: torch.arange(10, device=d, **k),
     "arange_step": lambda d, **k: torch.arange(1, 20, 3, device=d, **k),
     "linspace": lambda d, **k: torch.linspace(-2, 6, 9, device=d, **k),
+    "logspace": lambda d, **k: torch.logspace(-1.3, 2.6, 11, base=3.0, device=d, **k),
     "eye": lambda d, **k: torch.eye(3, 4, device=d, **k),
     "tensor": lambda d, **k: torch.tensor([[1, 2], [3, 4]], device=d, **k),
     "scalar_tensor": lambda d, **k: torch.scalar_tensor(5, device=d, **k),
@@ -405,6 +406,22 @@ def test_factory_is_native(name):
     torch_pjrt.reset_metrics()
     DETERMINISTIC_FACTORIES[name]("tpu")
     assert not fallbacks()
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("args", [(3, 4, 1), (3, 4, -1), (0, 3, 0), (3, 3, 10), (5, 2, -2)])
+@pytest.mark.parametrize("fn", [torch.tril_indices, torch.triu_indices])
+def test_triangle_indices(fn, args, dtype, no_fallback):
+    x = fn(*args, dtype=dtype, device="tpu")
+    assert x.device == torch.device("tpu", 0) and x.dtype == dtype
+    torch.testing.assert_close(x.cpu(), fn(*args, dtype=dtype))
+
+
+def test_factory_device_argument_places_the_result():
+    # A factory that reaches the backend with its device argument (no tensor input).
+    assert torch.tril_indices(3, 3, device="tpu:1").device == torch.device("tpu", 1)
+    with torch.tpu.device(1):
+        assert torch.triu_indices(3, 3, device="tpu").device == torch.device("tpu", 1)
 
 
 @pytest.mark.parametrize("make", [

@@ -59,6 +59,8 @@ pub enum RArg {
     List(Vec<RArg>),
     /// Points at the generator's [seed, offset].
     Generator(*mut i64),
+    /// A factory's tpu device index.
+    Device(usize),
     Other(String),
 }
 
@@ -231,6 +233,10 @@ pub(crate) fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> 
                 k.push(b'd');
                 dt(k, *d);
             }
+            RArg::Device(d) => {
+                k.push(b'D');
+                num(k, *d as i64);
+            }
             RArg::List(items) => {
                 k.push(b'[');
                 num(k, items.len() as i64);
@@ -379,6 +385,12 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
         .iter()
         .find(|(_, t)| matches!(t.loc, Loc::Device(_)))
         .map(|(_, t)| t.device)
+        .or_else(|| {
+            params.iter().find_map(|p| match p.arg {
+                RArg::Device(d) => Some(d),
+                _ => None,
+            })
+        })
         .unwrap_or(0);
     let mode = crate::mode::get();
     if mode == crate::mode::EagerMode::DeferAndFuse {
@@ -1064,7 +1076,7 @@ fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -
                 .map(|(k, x)| to_arg(x, i, Some(k), values))
                 .collect(),
         ),
-        RArg::Generator(_) | RArg::Other(_) => Arg::Other,
+        RArg::Generator(_) | RArg::Device(_) | RArg::Other(_) => Arg::Other,
     }
 }
 

@@ -658,10 +658,13 @@ struct ArgBuilder {
         }
         return;
       case K::DeviceObjType:
-        if (v.isDevice()) {
+        if (v.isDevice() && v.toDevice().type() == kTpu) {
+          // A factory's device: its index (the current one when unspecified) also places
+          // the call, as a tensor argument would.
           c10::Device dev = v.toDevice();
           a.kind = TPU_ARG_DEVICE;
-          a.i = dev.index();
+          a.i = dev.has_index() ? dev.index() : tl_device;
+          if (device < 0) device = a.i;
           strings.push_back(c10::DeviceTypeName(dev.type(), /*lower_case=*/true));
           a.s = strings.back().c_str();
         } else {

@@ -22,7 +22,7 @@ enum TpuArgKind {
   TPU_ARG_SCALAR_TYPE = 7,  // ScalarType: value in `i` (c10::ScalarType)
   TPU_ARG_GENERATOR = 8,    // gen_state points at [seed, offset] of the generator
   TPU_ARG_COMPLEX = 9,      // d + i*d_imag
-  TPU_ARG_DEVICE = 10,      // i = device index (-1 none), s = type name
+  TPU_ARG_DEVICE = 10,      // a tpu device: i = its index (the current one if unset), s = type name
   TPU_ARG_LAYOUT = 11,      // i = c10::Layout
   TPU_ARG_MEMORY_FORMAT = 12,  // i = c10::MemoryFormat
   TPU_ARG_OTHER = 13,       // anything else: Rust declines the op

@@ -73,6 +73,10 @@ const STRING: i32 = 5;
 const LIST: i32 = 6;
 const SCALAR_TYPE: i32 = 7;
 const GENERATOR: i32 = 8;
+const DEVICE: i32 = 10;
+const LAYOUT: i32 = 11;
+/// c10::Layout::Strided, the only layout the device has.
+const STRIDED: i64 = 0;
 
 // Scalar kinds.
 const SCALAR_INT: i32 = 1;
@@ -197,6 +201,9 @@ pub unsafe fn arg(a: &TpuArg) -> RArg {
         STRING => RArg::Str(unsafe { cstr(a.s) }),
         SCALAR_TYPE => RArg::ScalarType(dtype_from_c10(a.i as i32)),
         GENERATOR => RArg::Generator(a.gen_state),
+        DEVICE => RArg::Device(a.i.max(0) as usize),
+        // Strided is every tensor's layout here: nothing to tell the rule.
+        LAYOUT if a.i == STRIDED => RArg::None,
         LIST => {
             let n = a.list_len.max(0) as usize;
             let items = if n == 0 || a.list.is_null() {

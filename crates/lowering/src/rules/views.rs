@@ -1,7 +1,7 @@
 //! Ops that rearrange data into a new tensor: cat, flip, roll, repeat, clone.
 
 use crate::shape::{shape_str, wrap_dim};
-use crate::{user_err, Ctx, DType, ErrorKind, LResult, Out, Rule};
+use crate::{decline, user_err, Ctx, DType, ErrorKind, LResult, Out, Rule};
 
 fn cat(c: &mut Ctx) -> LResult<Vec<Out>> {
     let ts: Vec<_> = c.args.tensors("tensors")?.into_iter().cloned().collect();
@@ -337,30 +337,40 @@ fn arange(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(v)])
 }
 
-fn linspace(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let steps = c.args.int("steps")?;
-    if steps < 0 {
+/// `steps`, else PyTorch's error for a negative count.
+fn steps(c: &Ctx) -> LResult<i64> {
+    let n = c.args.int("steps")?;
+    if n < 0 {
         return user_err(ErrorKind::Runtime, "number of steps must be non-negative");
     }
-    let dt = factory_dtype(c, DType::F32);
-    let b = &mut *c.b;
-    let bound =
-        |b: &mut stablehlo::Builder, a: &crate::Args, name: &str| -> LResult<stablehlo::Value> {
-            match a.opt_tensor(name) {
-                Some(t) => {
-                    let v = b.convert(t.value, DType::F64);
-                    Ok(b.reshape(v, &[]))
-                }
-                None => Ok(b.constant(DType::F64, a.scalar(name)?.as_f64())),
-            }
-        };
-    let s = bound(b, c.args, "start")?;
-    let e = bound(b, c.args, "end")?;
-    let n = steps;
-    // Symmetric form: the first half steps up from start, the second half down from end.
-    let d = b.sub(e, s);
-    let den = b.constant(DType::F64, (n - 1).max(1) as f64);
-    let step = b.div(d, den);
+    Ok(n)
+}
+
+/// A bound of linspace/logspace (a Python number or a 0-d tensor) as a scalar of `dt`.
+fn bound(
+    b: &mut stablehlo::Builder,
+    a: &crate::Args,
+    name: &str,
+    dt: DType,
+) -> LResult<stablehlo::Value> {
+    match a.opt_tensor(name) {
+        Some(t) => {
+            let v = b.convert(t.value, dt);
+            Ok(b.reshape(v, &[]))
+        }
+        None => Ok(b.constant(dt, a.scalar(name)?.as_f64())),
+    }
+}
+
+/// The CPU kernels' symmetric ramp of `n` f64 points: the first half steps up from `s`, the
+/// second half down from `e` (one point gives `s`).
+fn ramp(
+    b: &mut stablehlo::Builder,
+    s: stablehlo::Value,
+    e: stablehlo::Value,
+    step: stablehlo::Value,
+    n: i64,
+) -> stablehlo::Value {
     let step = b.broadcast_in_dim(step, &[n], &[]);
     let i = b.iota(DType::F64, &[n], 0);
     let sb = b.broadcast_in_dim(s, &[n], &[]);
@@ -371,12 +381,92 @@ fn linspace(c: &mut Ctx) -> LResult<Vec<Out>> {
     let r = b.sub(last, i);
     let hi = b.mul(r, step);
     let hi = b.sub(eb, hi);
-    // steps == 1 gives start, as PyTorch does.
     let half = b.full(DType::F64, &[n], (n / 2).max(1) as f64);
     let first = b.compare(i, half, stablehlo::CmpDir::Lt);
-    let v = b.select(first, lo, hi);
-    let v = b.convert(v, dt);
-    Ok(vec![Out::T(v)])
+    b.select(first, lo, hi)
+}
+
+fn linspace(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let n = steps(c)?;
+    let dt = factory_dtype(c, DType::F32);
+    let b = &mut *c.b;
+    let s = bound(b, c.args, "start", DType::F64)?;
+    let e = bound(b, c.args, "end", DType::F64)?;
+    let d = b.sub(e, s);
+    let den = b.constant(DType::F64, (n - 1).max(1) as f64);
+    let step = b.div(d, den);
+    let v = ramp(b, s, e, step, n);
+    Ok(vec![Out::T(b.convert(v, dt))])
+}
+
+/// `logspace`: `base ** x` over the ramp, as the CPU computes it: the bounds rounded to the
+/// result dtype (their difference too), the ramp and the power in f64.
+fn logspace(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let n = steps(c)?;
+    let dt = factory_dtype(c, DType::F32);
+    let base = c.args.opt_float("base").unwrap_or(10.0);
+    let b = &mut *c.b;
+    let s = bound(b, c.args, "start", dt)?;
+    let e = bound(b, c.args, "end", dt)?;
+    let d = b.sub(e, s);
+    let d = b.convert(d, DType::F64);
+    let den = b.constant(DType::F64, (n - 1).max(1) as f64);
+    let step = b.div(d, den);
+    let s = b.convert(s, DType::F64);
+    let e = b.convert(e, DType::F64);
+    let x = ramp(b, s, e, step, n);
+    let k = b.splat(x, base);
+    let v = b.binary("stablehlo.power", k, x);
+    Ok(vec![Out::T(b.convert(v, dt))])
+}
+
+/// `tril_indices`/`triu_indices`: the (row, col) pairs on one side of diagonal `offset` of a
+/// row x col matrix, row-major; made at lowering time (they depend on the arguments only).
+fn tri_indices(c: &mut Ctx, lower: bool) -> LResult<Vec<Out>> {
+    let name = if lower {
+        "tril_indices"
+    } else {
+        "triu_indices"
+    };
+    let row = c.args.int("row")?;
+    let col = c.args.int("col")?;
+    let offset = c.args.int_or("offset", 0);
+    for (what, v) in [("row", row), ("col", col)] {
+        if v < 0 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!("{what} must be non-negative, got{v}"),
+            );
+        }
+    }
+    let dt = factory_dtype(c, DType::I64);
+    if !matches!(dt, DType::I32 | DType::I64) {
+        return user_err(
+            ErrorKind::NotImplemented,
+            format!(
+                "\"{name}\" not implemented for '{}'",
+                crate::promote::torch_name(dt)
+            ),
+        );
+    }
+    let (mut rows, mut cols) = (Vec::new(), Vec::new());
+    for r in 0..row {
+        for k in 0..col {
+            if (lower && k - r <= offset) || (!lower && k - r >= offset) {
+                rows.push(r);
+                cols.push(k);
+            }
+        }
+        if rows.len() > 1 << 22 {
+            return decline(format!("{name} of more than 2^22 pairs"));
+        }
+    }
+    let n = rows.len() as i64;
+    rows.extend(cols);
+    let b = &mut *c.b;
+    let v = b.constant_vec_i64(&rows);
+    let v = b.reshape(v, &[2, n]);
+    Ok(vec![Out::T(b.convert(v, dt))])
 }
 
 /// `eye(n, m)`: ones on the main diagonal of an n x m matrix.
@@ -447,6 +537,9 @@ pub const RULES: &[(&str, Rule)] = &[
     ("torch_pjrt::copy", copy),
     ("aten::arange", arange),
     ("aten::linspace", linspace),
+    ("aten::logspace", logspace),
+    ("aten::tril_indices", |c| tri_indices(c, true)),
+    ("aten::triu_indices", |c| tri_indices(c, false)),
     ("aten::eye", eye),
     ("aten::channel_shuffle", channel_shuffle),
 ];
