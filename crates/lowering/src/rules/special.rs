@@ -64,6 +64,32 @@ fn input_name(c: &Ctx) -> &'static str {
 
 /// A unary function of floats (ints and bools promote to float32), evaluated in float32
 /// for half-precision inputs as PyTorch's kernels do.
+/// The multivariate log-gamma `sum_i lgamma(x - i/2) + p(p-1)/4 log(pi)`, its terms added
+/// from i = p-1 down to 0 as PyTorch's composite does (`mvlgamma_`/`out=` reach us whole).
+fn mvlgamma(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let p = c.args.int("p")?;
+    if p < 1 {
+        return user_err(ErrorKind::Runtime, "p has to be greater than or equal to 1");
+    }
+    map(c, &[input_name(c)], to_float, |b, v| {
+        wide(b, v[0], |b, x| {
+            let mut acc: Option<Value> = None;
+            for i in (0..p).rev() {
+                let k = b.splat(x, -(i as f64) / 2.0);
+                let t = b.add(x, k);
+                let t = lgamma(b, t);
+                acc = Some(match acc {
+                    Some(a) => b.add(a, t),
+                    None => t,
+                });
+            }
+            let acc = acc.expect("p >= 1");
+            let k = b.splat(acc, (p * (p - 1)) as f64 / 4.0 * std::f64::consts::PI.ln());
+            b.add(acc, k)
+        })
+    })
+}
+
 fn float1(c: &mut Ctx, f: Un) -> LResult<Vec<Out>> {
     map(c, &[input_name(c)], to_float, |b, v| wide(b, v[0], f))
 }
@@ -2003,6 +2029,7 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::special_log_ndtr", |c| special1(c, log_ndtr)),
     // Gamma family.
     ("aten::lgamma", |c| float1(c, lgamma)),
+    ("aten::mvlgamma", mvlgamma),
     ("aten::digamma", |c| float1(c, digamma)),
     ("aten::polygamma", polygamma),
     ("aten::special_zeta", |c| {
