@@ -394,6 +394,18 @@ def test_fallback_disabled_raises_not_implemented(fallback_off):
     torch.testing.assert_close(fn(x), fn(matrix("cpu")), check_device=False)
 
 
+def test_declined_rule_names_its_reason(fallback_off):
+    # addbmm_ has a rule, which declines a self it would have to resize.
+    x = torch.ones(1, 3, device="tpu")
+    b1, b2 = torch.ones(2, 2, 4, device="tpu"), torch.ones(2, 4, 3, device="tpu")
+    with pytest.raises(NotImplementedError, match=r"addbmm.*\(addbmm_ on a self of another shape\)"):
+        x.addbmm_(b1, b2)
+    # an op without a rule carries no reason
+    with pytest.raises(NotImplementedError) as info:
+        torch.bincount(torch.tensor([1, 2], device="tpu"))
+    assert "tpu device, and" in str(info.value)
+
+
 def test_fallback_switch_reads_back():
     assert torch_pjrt.enable_cpu_fallback is True
     torch_pjrt.enable_cpu_fallback = False
@@ -437,6 +449,10 @@ INPLACE_UNLOWERED = [
     ("aten::mvlgamma", lambda t: t[:, 1:].add_(2).mvlgamma_(1)),
     ("aten::linalg_qr", lambda t: torch.linalg.qr(
         t[:, :2].t() @ t[:, :2] + torch.eye(2, device=t.device), out=(t[:, :2], t[:, 2:]))),
+    ("aten::linalg_ldl_factor_ex", lambda t: torch.linalg.ldl_factor_ex(
+        t[:, :2].t() @ t[:, :2] + torch.eye(2, device=t.device),
+        out=(t[:, 2:], torch.empty(2, dtype=torch.int32, device=t.device),
+             torch.empty((), dtype=torch.int32, device=t.device)))),
 ]
 
 

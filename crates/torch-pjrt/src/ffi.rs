@@ -15,6 +15,11 @@ use crate::abi::*;
 pub static FALLBACK_ENABLED: AtomicBool = AtomicBool::new(true);
 static WARNED: Mutex<Option<HashSet<String>>> = Mutex::new(None);
 
+thread_local! {
+    /// Why the last op on this thread was declined: the shim's fallback that follows names it.
+    static DECLINED_WHY: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
 pub(crate) const OK: i32 = 0;
 pub(crate) const DECLINED: i32 = 1;
 const ERROR: i32 = 2;
@@ -101,8 +106,12 @@ pub unsafe extern "C" fn tpu_rs_dispatch(
         // SAFETY: valid strings and arguments per the ABI.
         let (op, ov, params) = unsafe { (cstr(op_name), cstr(overload), params(args, nargs)) };
         let rt = rt()?;
+        DECLINED_WHY.with(|w| w.borrow_mut().take());
         match dispatch(rt, &op, &ov, &params)? {
-            Outcome::Declined(_) => Ok(DECLINED),
+            Outcome::Declined(why) => {
+                DECLINED_WHY.with(|w| *w.borrow_mut() = Some(why));
+                Ok(DECLINED)
+            }
             Outcome::Resize(list) => {
                 // SAFETY: err is valid per the ABI.
                 let e = unsafe { &mut *err };
@@ -296,12 +305,18 @@ pub unsafe extern "C" fn tpu_rs_synchronize(_device_index: i32, err: *mut TpuErr
 pub unsafe extern "C" fn tpu_rs_fallback_begin(op_name: *const c_char, err: *mut TpuError) -> i32 {
     // SAFETY: NUL-terminated name per the ABI.
     let name = unsafe { cstr(op_name) };
+    // Why a rule declined (an op without a rule needs no explanation).
+    let why = DECLINED_WHY
+        .with(|w| w.borrow_mut().take())
+        .filter(|w| !w.starts_with("no lowering rule"))
+        .map(|w| format!(" ({w})"))
+        .unwrap_or_default();
     let r = guarded(err, "fallback", || {
         if !FALLBACK_ENABLED.load(Ordering::Relaxed) {
             return Err(runtime::Error::new(
                 ErrorKind::NotImplemented,
                 format!(
-                    "The operator '{name}' is not currently implemented for the tpu device, and the CPU fallback is disabled (torch_pjrt.enable_cpu_fallback = False). Enable the fallback, or move this op to the CPU."
+                    "The operator '{name}' is not currently implemented for the tpu device{why}, and the CPU fallback is disabled (torch_pjrt.enable_cpu_fallback = False). Enable the fallback, or move this op to the CPU."
                 ),
             ));
         }
@@ -316,7 +331,7 @@ pub unsafe extern "C" fn tpu_rs_fallback_begin(op_name: *const c_char, err: *mut
         };
         if first {
             crate::warn(&format!(
-                "The operator '{name}' is not lowered for the tpu device: it runs on the CPU (copies to and from the host). Set torch_pjrt.enable_cpu_fallback = False to make this an error."
+                "The operator '{name}' is not lowered for the tpu device{why}: it runs on the CPU (copies to and from the host). Set torch_pjrt.enable_cpu_fallback = False to make this an error."
             ));
         }
         Ok(1)
