@@ -49,6 +49,9 @@ ERROR_CASES = {
     "mul_inplace_cast": (lambda a: a.mul_(1.5), [ones(3, dtype=torch.int64)]),
     "repeat_interleave_negative": (torch.repeat_interleave, [idx(1, -1)]),
     "repeat_interleave_2d": (torch.repeat_interleave, [lambda d: torch.ones(1, 2, dtype=torch.int64, device=d)]),
+    "bincount_negative": (torch.bincount, [idx(1, -2)]),
+    "bincount_minlength": (lambda x: torch.bincount(x, minlength=-1), [idx(1, 2)]),
+    "bincount_weights": (lambda x: torch.bincount(x, torch.ones(3, device=x.device)), [idx(1, 2)]),
     "addr_vec_dim": (torch.addr, [ones(3, 2), ones(3), ones(2, 2)]),
     "addr_expand": (torch.addr, [ones(4, 2), ones(3), ones(2)]),
     "addr_int_float_beta": (lambda a, u, v: torch.addr(a, u, v, beta=0.5),
@@ -401,8 +404,9 @@ def test_declined_rule_names_its_reason(fallback_off):
     with pytest.raises(NotImplementedError, match=r"addbmm.*\(addbmm_ on a self of another shape\)"):
         x.addbmm_(b1, b2)
     # an op without a rule carries no reason
+    _, fn = unlowered()
     with pytest.raises(NotImplementedError) as info:
-        torch.bincount(torch.tensor([1, 2], device="tpu"))
+        fn(matrix("tpu"))
     assert "tpu device, and" in str(info.value)
 
 

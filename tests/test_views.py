@@ -622,3 +622,11 @@ def test_repeat_interleave_with_tensor_repeats_without_fallback(dtype, seed):
     compare(lambda x, r: (torch.repeat_interleave(r), x.repeat_interleave(r, dim=0),
                           x.repeat_interleave(torch.cat([r, r[:1]]), dim=1, output_size=7)),
             x, r, check_fallback=True)
+
+
+@pytest.mark.parametrize("weights", [None, torch.float32, torch.float64, torch.int64])
+def test_bincount_on_the_host_without_fallback(weights, seed):
+    x = torch.tensor([1, 3, 3, 0, 7, 3])
+    args = (x,) if weights is None else (x, (torch.randn(6) * 4).to(weights))
+    compare(lambda *a: (torch.bincount(*a), torch.bincount(*a, minlength=10),
+                        torch.bincount(a[0][:0], *a[1:2])), *args, check_fallback=True)

@@ -23,6 +23,7 @@ pub fn find(op: &str, params: &[Param]) -> Option<HostOp> {
         "aten::equal" => Some(equal),
         "aten::_unique" | "aten::_unique2" => Some(unique_sorted),
         "aten::repeat_interleave" => Some(repeat_interleave),
+        "aten::bincount" => Some(bincount),
         // Along a dim it runs on the CPU fallback.
         "aten::unique_consecutive"
             if params
@@ -189,6 +190,106 @@ fn repeat_interleave(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
         }
     }
     Ok(vec![new_tensor(rt, &out, dtype, vec![total], r.device)?])
+}
+
+/// `bincount`: counts (int64), or sums of `weights` per value, accumulated in input order in
+/// the result dtype as on the CPU (float32 weights sum in float32, others in float64).
+fn bincount(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    let t = tensor(params, "self")?;
+    let dtype = t
+        .dtype
+        .ok_or_else(|| Error::runtime("bincount: unsupported dtype"))?;
+    if dtype.is_float() || dtype == DType::Bool {
+        return Err(Error::new(
+            crate::ErrorKind::NotImplemented,
+            format!(
+                "\"bincount\" not implemented for '{}'",
+                lowering::promote::torch_name(dtype)
+            ),
+        ));
+    }
+    let minlength = params
+        .iter()
+        .find_map(|p| match (p.name.as_str(), &p.arg) {
+            ("minlength", RArg::Int(n)) => Some(*n),
+            _ => None,
+        })
+        .unwrap_or(0);
+    if minlength < 0 {
+        return Err(Error::runtime("minlength should be >= 0"));
+    }
+    let zeros = |n: i64| vec![0u8; n as usize * 8];
+    let n = t.view.sizes.iter().product::<i64>();
+    if t.view.sizes.len() == 1 && n == 0 {
+        return Ok(vec![new_tensor(
+            rt,
+            &zeros(minlength),
+            DType::I64,
+            vec![minlength],
+            t.device,
+        )?]);
+    }
+    let values: Vec<i64> = if t.view.sizes.len() == 1 {
+        host_bytes(rt, t, &t.view.sizes, DType::I64)?
+            .chunks(8)
+            .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    if t.view.sizes.len() != 1 || values.iter().any(|v| *v < 0) {
+        return Err(Error::runtime(
+            "bincount only supports 1-d non-negative integral inputs.",
+        ));
+    }
+    let len = (values.iter().max().map_or(0, |m| m + 1)).max(minlength);
+    let weights = params.iter().find_map(|p| match (p.name.as_str(), &p.arg) {
+        ("weights", RArg::Tensor(w)) => Some(w),
+        _ => None,
+    });
+    let Some(w) = weights else {
+        let mut counts = vec![0i64; len as usize];
+        for v in &values {
+            counts[*v as usize] += 1;
+        }
+        let out: Vec<u8> = counts.iter().flat_map(|c| c.to_le_bytes()).collect();
+        return Ok(vec![new_tensor(rt, &out, DType::I64, vec![len], t.device)?]);
+    };
+    if w.view.sizes != [n] {
+        return Err(Error::runtime(
+            "weights should be 1-d and have the same length as input",
+        ));
+    }
+    let wdt = w
+        .dtype
+        .ok_or_else(|| Error::runtime("bincount: unsupported weights dtype"))?;
+    let wb = host_bytes(rt, w, &w.view.sizes, wdt)?;
+    let ws: Vec<f64> = wb
+        .chunks(wdt.size())
+        .map(|b| match crate::host::scalar(b, wdt) {
+            crate::host::Scalar::Float(f) => f,
+            crate::host::Scalar::Int(i) => i as f64,
+        })
+        .collect();
+    let out: Vec<u8> = if wdt == DType::F32 {
+        let mut acc = vec![0f32; len as usize];
+        for (v, x) in values.iter().zip(&ws) {
+            acc[*v as usize] += *x as f32;
+        }
+        acc.iter().flat_map(|a| a.to_le_bytes()).collect()
+    } else {
+        let mut acc = vec![0f64; len as usize];
+        for (v, x) in values.iter().zip(&ws) {
+            acc[*v as usize] += *x;
+        }
+        acc.iter().flat_map(|a| a.to_le_bytes()).collect()
+    };
+    let odt = if wdt == DType::F32 {
+        DType::F32
+    } else {
+        DType::F64
+    };
+    Ok(vec![new_tensor(rt, &out, odt, vec![len], t.device)?])
 }
 
 fn flag(params: &[Param], name: &str) -> bool {
