@@ -630,3 +630,13 @@ def test_bincount_on_the_host_without_fallback(weights, seed):
     args = (x,) if weights is None else (x, (torch.randn(6) * 4).to(weights))
     compare(lambda *a: (torch.bincount(*a), torch.bincount(*a, minlength=10),
                         torch.bincount(a[0][:0], *a[1:2])), *args, check_fallback=True)
+
+
+def test_int64_convolution_without_fallback(seed):
+    F = torch.nn.functional
+    x = torch.randint(-5, 5, (2, 4, 9, 9))
+    w = torch.randint(-3, 3, (6, 2, 3, 3))
+    compare(lambda x, w: (F.conv2d(x, w, stride=2, padding=1, groups=2),
+                          F.conv_transpose2d(x, w[:4, :3], stride=2),
+                          F.conv2d(x, w[:1, :1].expand(1, 4, 3, 3) * 2 ** 40)),  # wraps like the CPU
+            x, w, check_fallback=True)

@@ -1235,7 +1235,10 @@ struct Conv {
 /// Convolution parameters. PyTorch validates shapes before it calls the backend op, so
 /// anything unusual here is declined rather than reported.
 fn conv_args(c: &Ctx, x: &TensorArg, w: &TensorArg) -> LResult<Conv> {
-    float_input(x, "convolution")?;
+    // The CPU convolves int64 too (exactly, wrapping on overflow, as XLA's s64 does).
+    if x.dtype != DType::I64 {
+        float_input(x, "convolution")?;
+    }
     let r = x.shape.len();
     if w.dtype != x.dtype
         || r < 3
