@@ -88,28 +88,56 @@ fn new_tensor(
     })
 }
 
+/// The coordinates of the nonzero bytes of a contiguous `mask` of `sizes`, one column per
+/// dim, in row-major order.
+fn coords(mask: &[u8], sizes: &[i64]) -> Vec<Vec<i64>> {
+    let strides = contiguous_strides(sizes);
+    let mut cols = vec![Vec::new(); sizes.len()];
+    for (i, _) in mask.iter().enumerate().filter(|(_, m)| **m != 0) {
+        for (d, st) in strides.iter().enumerate() {
+            cols[d].push((i as i64 / st) % sizes[d].max(1));
+        }
+    }
+    cols
+}
+
+fn i64_bytes(v: &[i64]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// An integer tensor's elements, read back as i64.
+fn host_ints(rt: &Runtime, t: &TensorRef) -> Result<Vec<i64>> {
+    Ok(host_bytes(rt, t, &t.view.sizes, DType::I64)?
+        .chunks(8)
+        .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
+        .collect())
+}
+
+/// An optional int argument.
+fn int_param(params: &[Param], name: &str) -> Option<i64> {
+    params.iter().find_map(|p| match (&p.arg, p.name == name) {
+        (RArg::Int(n), true) => Some(*n),
+        _ => None,
+    })
+}
+
 fn nonzero(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
     let t = tensor(params, "self")?;
     let sizes = t.view.sizes.clone();
     // Read as bool: "element != 0" with PyTorch's semantics for -0.0 and NaN.
     let mask = host_bytes(rt, t, &sizes, DType::Bool)?;
-    let strides = contiguous_strides(&sizes);
-    let mut out: Vec<u8> = Vec::new();
-    let mut count = 0i64;
-    for (i, m) in mask.iter().enumerate() {
-        if *m != 0 {
-            count += 1;
-            for (d, st) in strides.iter().enumerate() {
-                let coord = (i as i64 / st) % sizes[d].max(1);
-                out.extend_from_slice(&coord.to_le_bytes());
-            }
-        }
-    }
+    let cols = coords(&mask, &sizes);
+    let count = cols
+        .first()
+        .map_or(mask.iter().filter(|m| **m != 0).count(), Vec::len);
+    let out: Vec<i64> = (0..count)
+        .flat_map(|i| cols.iter().map(move |c| c[i]))
+        .collect();
     Ok(vec![new_tensor(
         rt,
-        &out,
+        &i64_bytes(&out),
         DType::I64,
-        vec![count, sizes.len() as i64],
+        vec![count as i64, sizes.len() as i64],
         t.device,
     )?])
 }
@@ -163,19 +191,12 @@ fn repeat_interleave(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
             ),
         ));
     }
-    let counts: Vec<i64> = host_bytes(rt, r, &r.view.sizes, DType::I64)?
-        .chunks(8)
-        .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .collect();
+    let counts = host_ints(rt, r)?;
     if counts.iter().any(|c| *c < 0) {
         return Err(Error::runtime("repeats can not be negative"));
     }
     let total: i64 = counts.iter().sum();
-    let wanted = params.iter().find_map(|p| match (p.name.as_str(), &p.arg) {
-        ("output_size", RArg::Int(n)) => Some(*n),
-        _ => None,
-    });
-    if wanted.is_some_and(|n| n != total) {
+    if int_param(params, "output_size").is_some_and(|n| n != total) {
         return Err(Error::runtime(
             "allocated size does not match required size",
         ));
@@ -208,13 +229,7 @@ fn bincount(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
             ),
         ));
     }
-    let minlength = params
-        .iter()
-        .find_map(|p| match (p.name.as_str(), &p.arg) {
-            ("minlength", RArg::Int(n)) => Some(*n),
-            _ => None,
-        })
-        .unwrap_or(0);
+    let minlength = int_param(params, "minlength").unwrap_or(0);
     if minlength < 0 {
         return Err(Error::runtime("minlength should be >= 0"));
     }
@@ -229,11 +244,8 @@ fn bincount(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
             t.device,
         )?]);
     }
-    let values: Vec<i64> = if t.view.sizes.len() == 1 {
-        host_bytes(rt, t, &t.view.sizes, DType::I64)?
-            .chunks(8)
-            .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
-            .collect()
+    let values = if t.view.sizes.len() == 1 {
+        host_ints(rt, t)?
     } else {
         Vec::new()
     };
@@ -252,8 +264,13 @@ fn bincount(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
         for v in &values {
             counts[*v as usize] += 1;
         }
-        let out: Vec<u8> = counts.iter().flat_map(|c| c.to_le_bytes()).collect();
-        return Ok(vec![new_tensor(rt, &out, DType::I64, vec![len], t.device)?]);
+        return Ok(vec![new_tensor(
+            rt,
+            &i64_bytes(&counts),
+            DType::I64,
+            vec![len],
+            t.device,
+        )?]);
     };
     if w.view.sizes != [n] {
         return Err(Error::runtime(
@@ -356,16 +373,15 @@ fn unique(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
         inverse[*i] = counts.len() as i64 - 1;
     }
     let n = counts.len() as i64;
-    let ints = |v: &[i64]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     let mut rets = vec![new_tensor(rt, &out, dtype, vec![n], t.device)?];
     rets.push(if flag(params, "return_inverse") {
-        new_tensor(rt, &ints(&inverse), DType::I64, sizes, t.device)?
+        new_tensor(rt, &i64_bytes(&inverse), DType::I64, sizes, t.device)?
     } else {
         new_tensor(rt, &[], DType::I64, vec![0], t.device)?
     });
     if params.iter().any(|p| p.name == "return_counts") {
         rets.push(if flag(params, "return_counts") {
-            new_tensor(rt, &ints(&counts), DType::I64, vec![n], t.device)?
+            new_tensor(rt, &i64_bytes(&counts), DType::I64, vec![n], t.device)?
         } else {
             new_tensor(rt, &[], DType::I64, vec![0], t.device)?
         });
@@ -405,8 +421,11 @@ pub fn expand_masks(
     let RArg::List(list) = &params[pos].arg else {
         return Ok(None);
     };
-    let is_mask =
-        |a: &RArg| matches!(a, RArg::Tensor(t) if matches!(t.dtype, Some(DType::Bool | DType::U8)));
+    // A 0-d mask (`x[True]`) adds a dim instead: left to the fallback.
+    let is_mask = |a: &RArg| {
+        matches!(a, RArg::Tensor(t) if matches!(t.dtype, Some(DType::Bool | DType::U8))
+            && !t.view.sizes.is_empty())
+    };
     if !list.iter().any(is_mask) {
         return Ok(None);
     }
@@ -444,17 +463,9 @@ pub fn expand_masks(
             Loc::Host(p) => unsafe { crate::host::read(p, &m.view, 1) },
             Loc::Device(_) => host_bytes(rt, m, &sizes, DType::Bool)?,
         };
-        let strides = contiguous_strides(&sizes);
-        let mut cols: Vec<Vec<u8>> = vec![Vec::new(); sizes.len()];
-        for (i, _) in mask.iter().enumerate().filter(|(_, b)| **b != 0) {
-            for (d, st) in strides.iter().enumerate() {
-                let coord = (i as i64 / st) % sizes[d].max(1);
-                cols[d].extend_from_slice(&coord.to_le_bytes());
-            }
-        }
-        for col in cols {
-            let n = (col.len() / 8) as i64;
-            let buf = rt.upload(&col, DType::I64, &[n], me.device)?;
+        for col in coords(&mask, &sizes) {
+            let n = col.len() as i64;
+            let buf = rt.upload(&i64_bytes(&col), DType::I64, &[n], me.device)?;
             let st = Arc::new(Storage::with_buffer(Arc::new(buf), DType::I64, me.device));
             out.push(RArg::Tensor(TensorRef {
                 loc: Loc::Device(Arc::as_ptr(&st)),
