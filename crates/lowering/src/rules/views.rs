@@ -451,14 +451,18 @@ fn tri_indices(c: &mut Ctx, lower: bool) -> LResult<Vec<Out>> {
     }
     let (mut rows, mut cols) = (Vec::new(), Vec::new());
     for r in 0..row {
-        for k in 0..col {
-            if (lower && k - r <= offset) || (!lower && k - r >= offset) {
-                rows.push(r);
-                cols.push(k);
-            }
+        // The columns of row r on the wanted side of the diagonal k - r = offset.
+        let ks = if lower {
+            0..r.saturating_add(offset).saturating_add(1).clamp(0, col)
+        } else {
+            r.saturating_add(offset).clamp(0, col)..col
+        };
+        if rows.len() as i64 + ks.end - ks.start > 1 << 20 {
+            return decline(format!("{name} of more than 2^20 pairs"));
         }
-        if rows.len() > 1 << 22 {
-            return decline(format!("{name} of more than 2^22 pairs"));
+        for k in ks {
+            rows.push(r);
+            cols.push(k);
         }
     }
     let n = rows.len() as i64;
