@@ -640,3 +640,14 @@ def test_int64_convolution_without_fallback(seed):
                           F.conv_transpose2d(x, w[:4, :3], stride=2),
                           F.conv2d(x * 2 ** 20, w[:1, :1].expand(1, 4, 3, 3) * 2 ** 41)),  # wraps
             x, w, check_fallback=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_histc_of_half_tensors(dtype, seed):
+    x = (torch.randn(200) * 2).to(dtype)
+    compare(lambda x: (torch.histc(x, 7, -2.3, 3.1), torch.histc(x, 4)), x, check_fallback=True)
+    # Past 2048 (float16) or 256 (bfloat16) per bin the CPU's half-precision counts stop
+    # growing; tpu counts exactly and rounds once, like the float32 histogram.
+    big = torch.zeros(5000, dtype=dtype)
+    torch.testing.assert_close(torch.histc(big.to("tpu"), 2, -1, 1).cpu(),
+                               torch.histc(big.float(), 2, -1, 1).to(dtype))

@@ -1513,9 +1513,6 @@ fn histc(c: &mut Ctx) -> LResult<Vec<Out>> {
             ),
         );
     }
-    if is_half(t.dtype) {
-        return decline("histc of half tensors");
-    }
     if bins <= 0 {
         return user_err(
             ErrorKind::Runtime,
