@@ -417,6 +417,15 @@ def test_triangle_indices(fn, args, dtype, no_fallback):
     torch.testing.assert_close(x.cpu(), fn(*args, dtype=dtype))
 
 
+def test_efficient_zero_tensor_is_a_device_zero_tensor(no_fallback):
+    # autograd's zero gradients (sgn's backward on real inputs) are made on the device
+    z = torch._efficientzerotensor((2, 3), dtype=torch.bfloat16, device="tpu:1")
+    assert z.device == torch.device("tpu", 1) and z.dtype == torch.bfloat16
+    assert z.cpu().equal(torch.zeros(2, 3, dtype=torch.bfloat16))
+    x = torch.randn(4).to("tpu").requires_grad_()
+    assert torch.autograd.grad(torch.sgn(x).sum(), x)[0].cpu().equal(torch.zeros(4))
+
+
 def test_factory_device_argument_places_the_result():
     # A factory that reaches the backend with its device argument (no tensor input).
     assert torch.tril_indices(3, 3, device="tpu:1").device == torch.device("tpu", 1)

@@ -41,6 +41,18 @@ pub fn decline<T>(why: impl Into<String>) -> LResult<T> {
     Err(LowerError::Declined(why.into()))
 }
 
+const NO_RULE: &str = "no lowering rule for ";
+
+/// The decline of an op the table has no rule for.
+pub fn no_rule(op: &str) -> String {
+    format!("{NO_RULE}{op}")
+}
+
+/// Whether a decline only says that no rule exists (a fallback warning need not repeat it).
+pub fn is_no_rule(why: &str) -> bool {
+    why.starts_with(NO_RULE)
+}
+
 /// A rule's result, one per functional return of the op.
 #[derive(Clone, Debug)]
 pub enum Out {

@@ -233,12 +233,11 @@ fn bincount(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
     if minlength < 0 {
         return Err(Error::runtime("minlength should be >= 0"));
     }
-    let zeros = |n: i64| vec![0u8; n as usize * 8];
     let n = t.view.sizes.iter().product::<i64>();
     if t.view.sizes.len() == 1 && n == 0 {
         return Ok(vec![new_tensor(
             rt,
-            &zeros(minlength),
+            &vec![0u8; minlength as usize * 8],
             DType::I64,
             vec![minlength],
             t.device,

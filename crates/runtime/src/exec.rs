@@ -655,7 +655,7 @@ pub(crate) fn lower_into(
     var: Variant,
 ) -> Result<LowerOutcome> {
     let Some(rule) = find_rule(op, var) else {
-        return Ok(LowerOutcome::Declined(format!("no lowering rule for {op}")));
+        return Ok(LowerOutcome::Declined(lowering::no_rule(op)));
     };
     let mut slots: Vec<Slot> = Vec::new();
     let mut values: HashMap<Path, Value> = HashMap::new();

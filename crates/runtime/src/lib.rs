@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use lowering::ErrorKind;
+pub use lowering::{is_no_rule, ErrorKind};
 pub use stablehlo::DType;
 
 pub mod cache;

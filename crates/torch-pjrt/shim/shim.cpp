@@ -415,14 +415,6 @@ at::Tensor tpu_empty_strided(c10::SymIntArrayRef size, c10::SymIntArrayRef strid
                                            c10::dtype_or_default(dtype));
 }
 
-// Autograd's zero gradients (sgn's on real inputs, ...): a plain zero tensor, as the
-// device has no ZeroTensor layout. Filling it is an ordinary op, lowered in Rust.
-at::Tensor tpu_efficientzerotensor(c10::SymIntArrayRef size, std::optional<at::ScalarType> dtype,
-                                   std::optional<c10::Layout> layout, std::optional<c10::Device> device,
-                                   std::optional<bool> pin_memory) {
-  return tpu_empty(size, dtype, layout, device, pin_memory, std::nullopt).zero_();
-}
-
 // Views: torch's native implementations only touch metadata and share the StorageImpl.
 at::Tensor tpu_view(const at::Tensor& self, c10::SymIntArrayRef size) {
   return at::native::view(self, C10_AS_INTARRAYREF_SLOW(size));
@@ -1159,7 +1151,6 @@ void init_locked() {
   };
   cpp("empty.memory_format", TORCH_FN(tpu_empty));
   cpp("empty_strided", TORCH_FN(tpu_empty_strided));
-  cpp("_efficientzerotensor", TORCH_FN(tpu_efficientzerotensor));
   cpp("view", TORCH_FN(tpu_view));
   cpp("_reshape_alias", TORCH_FN(tpu_reshape_alias));
   cpp("as_strided", TORCH_FN(tpu_as_strided));

@@ -308,7 +308,7 @@ pub unsafe extern "C" fn tpu_rs_fallback_begin(op_name: *const c_char, err: *mut
     // Why a rule declined (an op without a rule needs no explanation).
     let why = DECLINED_WHY
         .with(|w| w.borrow_mut().take())
-        .filter(|w| !w.starts_with("no lowering rule"))
+        .filter(|w| !runtime::is_no_rule(w))
         .map(|w| format!(" ({w})"))
         .unwrap_or_default();
     let r = guarded(err, "fallback", || {

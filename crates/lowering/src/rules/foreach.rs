@@ -278,7 +278,7 @@ fn foreach(c: &mut Ctx) -> LResult<Vec<Out>> {
     let (target, rule) = match spec.target {
         Target::Named(name) => match crate::rules::lookup(name) {
             Some(r) => (name, r),
-            None => return decline(format!("no lowering rule for {name}")),
+            None => return decline(crate::no_rule(name)),
         },
         Target::Local(r) => (spec.name, r),
     };

@@ -64,6 +64,10 @@ fn input_name(c: &Ctx) -> &'static str {
 
 /// A unary function of floats (ints and bools promote to float32), evaluated in float32
 /// for half-precision inputs as PyTorch's kernels do.
+fn float1(c: &mut Ctx, f: Un) -> LResult<Vec<Out>> {
+    map(c, &[input_name(c)], to_float, |b, v| wide(b, v[0], f))
+}
+
 /// The multivariate log-gamma `sum_i lgamma(x - i/2) + p(p-1)/4 log(pi)`, its terms added
 /// from i = p-1 down to 0 as PyTorch's composite does (`mvlgamma_`/`out=` reach us whole).
 fn mvlgamma(c: &mut Ctx) -> LResult<Vec<Out>> {
@@ -88,10 +92,6 @@ fn mvlgamma(c: &mut Ctx) -> LResult<Vec<Out>> {
             b.add(acc, k)
         })
     })
-}
-
-fn float1(c: &mut Ctx, f: Un) -> LResult<Vec<Out>> {
-    map(c, &[input_name(c)], to_float, |b, v| wide(b, v[0], f))
 }
 
 /// Like `map` to float, for the special_* kernels PyTorch has in float32 and float64

@@ -337,6 +337,23 @@ fn arange(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(v)])
 }
 
+/// `_efficientzerotensor` (autograd's zero gradients, e.g. sgn's on real inputs): a plain
+/// zero tensor, as the device has no ZeroTensor layout.
+fn efficient_zeros(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let size = c.args.ints("size")?;
+    if let Some(d) = size.iter().find(|d| **d < 0) {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Trying to create tensor with negative dimension {d}: {}",
+                shape_str(&size)
+            ),
+        );
+    }
+    let dt = factory_dtype(c, DType::F32);
+    Ok(vec![Out::T(c.b.full(dt, &size, 0.0))])
+}
+
 /// `steps`, else PyTorch's error for a negative count.
 fn steps(c: &Ctx) -> LResult<i64> {
     let n = c.args.int("steps")?;
@@ -542,6 +559,7 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::arange", arange),
     ("aten::linspace", linspace),
     ("aten::logspace", logspace),
+    ("aten::_efficientzerotensor", efficient_zeros),
     ("aten::tril_indices", |c| tri_indices(c, true)),
     ("aten::triu_indices", |c| tri_indices(c, false)),
     ("aten::eye", eye),
