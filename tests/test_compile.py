@@ -529,17 +529,10 @@ def test_max_programs_evicts_least_recently_used(mode):
     assert live_programs() - live0 == 2, c
 
 
-def test_native_replay_layouts_and_lru(mode, monkeypatch):
-    """Warm calls of a graph whose arguments are all tensors replay through one native op
-    (torch_pjrt::replay) without Python's key: a layout it has not seen (the same shape at
-    another offset of a larger storage) falls back to Python's lookup and is captured once,
-    and native replays count as uses for max_programs' least-recently-used order."""
-    from torch_pjrt import compile as tc
-
-    keys = []
-    orig = tc._Graph._key
-    monkeypatch.setattr(tc._Graph, "_key", staticmethod(lambda args: keys.append(1) or orig(args)))
-
+def test_replay_layouts_and_lru(mode):
+    """Programs are kept per input layout, not only per shape: the same shape at another
+    offset of a larger storage is captured once, counted as a new layout, and replays count
+    as uses for max_programs' least-recently-used order."""
     def f(x, w):
         return (x * w).sum(-1).tanh()
 
@@ -547,7 +540,7 @@ def test_native_replay_layouts_and_lru(mode, monkeypatch):
     g = torch.Generator().manual_seed(0)
     base, w = torch.randn(40, 8, generator=g), torch.randn(8, generator=g)
     bt, wt = base.to("tpu"), w.to("tpu")
-    bound0 = torch_pjrt._C.bound_layouts()
+    live0 = live_programs()
     rows = {"a": 0, "b": 5, "c": 10}
     for name in "abaca":
         r = rows[name]
@@ -555,21 +548,14 @@ def test_native_replay_layouts_and_lru(mode, monkeypatch):
     c = compile_counters()
     assert c["compiled_graphs"] == 3, c  # a, b, c: "a" stayed (used after b), "b" evicted
     assert c["evicted_programs"] == 1 and c["recompilations_new_layout"] == 2, c
-    assert len(keys) == 3, keys  # the two warm calls of "a" never reached Python's key
-    assert torch_pjrt._C.bound_layouts() - bound0 == 2
+    assert live_programs() - live0 == 2, c
     torch._dynamo.reset()
-    assert torch_pjrt._C.bound_layouts() == bound0
+    assert live_programs() == live0
 
 
-def test_native_replay_many_outputs(mode, monkeypatch):
-    """A graph with more outputs than the shim's first result buffer (64) replays natively
-    after growing it."""
-    from torch_pjrt import compile as tc
-
-    keys = []
-    orig = tc._Graph._key
-    monkeypatch.setattr(tc._Graph, "_key", staticmethod(lambda args: keys.append(1) or orig(args)))
-
+def test_replay_many_outputs(mode):
+    """A graph with more outputs than the shim's first result buffer (64) replays after
+    growing it."""
     def f(x):
         return tuple((x * i).sin() for i in range(70))
 
@@ -582,7 +568,23 @@ def test_native_replay_many_outputs(mode, monkeypatch):
         for a, b in zip(got, f(x), strict=True):
             assert_close(a, b, atol=1e-6, rtol=1e-5)
     assert compile_counters()["compiled_graphs"] == 1
-    assert len(keys) == 1, keys  # the capture only
+
+
+def test_replay_keys_python_values():
+    """Python ints among a graph's arguments (sizes under dynamic=True) are part of its key:
+    one Dynamo graph, one program per value, equal values replay."""
+    def f(x, n):
+        return x[:n] * 2
+
+    cf = torch.compile(f, backend="tpu", dynamic=True)
+    x = torch.randn(6)
+    xt = x.to("tpu")
+    for n in (3, 4, 3, 5, 4):
+        assert_close(cf(xt, n), f(x, n))
+    c = compile_counters()
+    assert c["dynamo_graphs"] == 1, c
+    assert c["compiled_graphs"] == 3, c
+    assert c["recompilations_new_shape"] == 2, c
 
 
 def program_loads():
@@ -641,17 +643,15 @@ def test_garbage_collected_graph_releases_programs():
 
     x, y = torch.randn(5), torch.randn(5)
     gm = torch.fx.symbolic_trace(f)
-    live0, bound0 = live_programs(), torch_pjrt._C.bound_layouts()
+    live0 = live_programs()
     fn = tpu_backend(gm, [x.to("tpu"), y.to("tpu")])
     for n in (5, 7):
         a, b = torch.randn(n), torch.randn(n)
         assert_close(fn(a.to("tpu"), b.to("tpu"))[0], f(a, b)[0])
     assert live_programs() - live0 == 2
-    assert torch_pjrt._C.bound_layouts() - bound0 == 2
     del fn
     gc.collect()
     assert live_programs() == live0
-    assert torch_pjrt._C.bound_layouts() == bound0
 
 
 # ---------------------------------------------------------------------------
@@ -834,3 +834,21 @@ def test_export_result_types():
     assert _result_types(text) == [(torch.float32, [24]), (torch.int64, []), (torch.bool, [2, 3])]
     text = "func.func public @main(%v0: tensor<4xbf16>) -> tensor<4xbf16> {"
     assert _result_types(text) == [(torch.bfloat16, [4])]
+
+
+def test_graph_with_cpu_output_runs_eagerly():
+    """A graph returning a CPU tensor cannot be one tpu program: it runs eagerly (counted
+    once as a graph break, then as eager calls), right, and leaves no program behind."""
+    def f(x):
+        return (x.sin() * 2).cpu() + 1
+
+    cf = torch.compile(f, backend="tpu")
+    x = torch.randn(5)
+    live0 = live_programs()
+    for _ in range(3):
+        got = cf(x.to("tpu"))
+        assert got.device.type == "cpu"
+        assert_close(got, f(x))
+    c = compile_counters()
+    assert c["graph_breaks"] == 1 and c["eager_graph_calls"] == 2, c
+    assert live_programs() == live0, c

@@ -24,7 +24,6 @@ a graph free its programs (executables and constants).
 
 import collections
 import functools
-import itertools
 import weakref
 
 import torch
@@ -75,17 +74,11 @@ def _is_tpu(t):
     return isinstance(t, torch.Tensor) and t.device.type == "tpu"
 
 
-def _release(programs):
-    """Frees the compiled programs of one graph (values of ``_Graph.programs``)."""
-    for prog in programs.values():
-        if prog != "eager" and _C.release(prog[0]):
-            counters["released_programs"] += 1
-    programs.clear()
-
-
 # Every graph whose programs are alive, for torch._dynamo.reset().
 _LIVE = weakref.WeakSet()
-_GRAPH_IDS = itertools.count()
+
+# What torch_pjrt::replay returns instead of a program id when nothing ran.
+_MISSED, _EAGER, _UNKEYABLE = -1, -2, -3
 
 
 def _reset():
@@ -106,9 +99,18 @@ def _hook_reset():
         pass
 
 
+def _drop_graph(gid):
+    counters["released_programs"] += len(_C.graph_release(gid, True))
+
+
 class _Graph:
-    """One AOTAutograd graph (forward or backward) and its compiled programs by input layout,
-    least recently used first."""
+    """One AOTAutograd graph (forward or backward).
+
+    Every call is one native op, ``torch_pjrt::replay``: the shim keys the call by its
+    inputs (shapes, layouts, Python values) and Rust runs the program the graph has for that
+    key (``compiled.rs`` keeps them, least recently used first). Python only captures a key
+    seen for the first time and binds the key to the new program (or to eager execution
+    when the capture broke), and counts what Rust reports."""
 
     def __init__(self, gm, dump, max_programs=DEFAULT_MAX_PROGRAMS, inference=False):
         # AOTAutograd passes the arguments as one list. An instance attribute, so that
@@ -119,119 +121,72 @@ class _Graph:
         # No autograd (AOTAutograd's inference graph): one that writes its inputs is an
         # optimizer step, and ends a training step for DeferAndFuse.
         self.inference = inference
-        self.max_programs = max_programs
-        self.programs = collections.OrderedDict()
-        # Keys evicted or released, to name the reason when they come back (bounded).
-        self.dropped = collections.OrderedDict()
-        self.captures = 0
-        # Graphs whose arguments are all tensors replay through one native op that finds
-        # the program by the inputs' layout and allocates the outputs (torch_pjrt::replay);
-        # Python's own lookup below runs only when that op finds nothing bound.
-        self.gid = next(_GRAPH_IDS)
-        self.native = None
-        self.keys = {}  # program id -> its key in self.programs
+        self.gid = _C.graph_new(max_programs)
+        self.specs = {}  # program id -> how to rebuild the graph's result from its outputs
+        # Each argument's type at the first call, and the positions of the non-tensors.
+        self.kinds = None
+        self.values = None
         _LIVE.add(self)
-        # The finalizer holds the dict, not the graph; not at exit (the runtime may be gone).
-        weakref.finalize(self, _release, self.programs).atexit = False
+        # Not at exit: the runtime may be gone.
+        weakref.finalize(self, _drop_graph, self.gid).atexit = False
 
-    def release(self, reason="released"):
-        for key in self.programs:
-            self._forget(key, reason)
-        self.keys.clear()
-        _release(self.programs)
+    def release(self):
+        freed = _C.graph_release(self.gid, False)
+        counters["released_programs"] += len(freed)
+        for pid in freed:
+            self.specs.pop(pid, None)
 
-    def _forget(self, key, reason):
-        self.dropped[key] = reason
-        self.dropped.move_to_end(key)
-        while len(self.dropped) > 4 * (self.max_programs or DEFAULT_MAX_PROGRAMS):
-            self.dropped.popitem(last=False)
+    def _split(self, args):
+        """(tensors, Python values) of a call, or (None, None) if it cannot be keyed.
 
-    def _evict(self):
-        while self.max_programs is not None and len(self.programs) > self.max_programs:
-            key, prog = self.programs.popitem(last=False)
-            self._forget(key, "evicted")
-            if prog != "eager":
-                self.keys.pop(prog[0], None)
-            counters["evicted_programs"] += 1
-            _release({key: prog})
-
-    @staticmethod
-    def _shapes(key):
-        return tuple(k[1] if k[0] != "py" else k[2] for k in key)
-
-    def _note_recompile(self, key):
-        """Counts a new program for an already captured graph, by reason."""
-        if not self.captures:
-            return
-        counters["recompilations"] += 1
-        if key in self.dropped:
-            reason = self.dropped.pop(key)
-        elif self._shapes(key) in {self._shapes(k) for k in self.programs}:
-            reason = "new_layout"  # same shapes: strides, offset, storage size or aliasing
-        else:
-            reason = "new_shape"
-        counters[f"recompilations_{reason}"] += 1
-
-    @staticmethod
-    def _key(args):
-        """The program key of a call and its tensors' storage addresses; (None, None) if a
-        tensor is not on tpu or has a dtype the runtime lacks (the graph then runs eagerly).
-
-        A program reads each input's whole storage (its size is a parameter type), and
-        inputs sharing a storage at capture share one parameter: both are part of the key."""
-        first = {}
-        key = []
-        ptrs = []
-        for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
-                dev = a.device
-                if dev.type != "tpu" or a.dtype not in _DTYPE:
-                    return None, None
-                s = a.untyped_storage()
-                ptr = s.data_ptr()
-                ptrs.append(ptr)
-                key.append((a.dtype, a.shape, a.stride(), a.storage_offset(), dev.index,
-                            s.nbytes(), first.setdefault(ptr, i)))
-            else:
-                key.append(("py", type(a), a if isinstance(a, (int, float, bool)) else None))
-        return tuple(key), ptrs
+        AOTAutograd fixes which arguments are tensors; the others are ints, floats or bools
+        (sizes under dynamic=True), keyed by value, or None (an unused input). Any other
+        object, or a type that changed since the first call, cannot be keyed: the graph then
+        runs eagerly."""
+        if self.kinds is None:
+            self.kinds = tuple(torch.Tensor if isinstance(a, torch.Tensor) else type(a)
+                               for a in args)
+            self.values = [i for i, k in enumerate(self.kinds) if k is not torch.Tensor]
+        if not self.values:
+            return args, []
+        if len(args) != len(self.kinds) or any(
+                not isinstance(a, k) if k is torch.Tensor else type(a) is not k
+                for a, k in zip(args, self.kinds, strict=False)):
+            return None, None
+        vals = [args[i] for i in self.values if args[i] is not None]
+        if not all(type(v) in (int, float, bool) for v in vals):
+            return None, None
+        return [a for a in args if isinstance(a, torch.Tensor)], vals
 
     def __call__(self, args):
-        if self.native is None:
-            self.native = all(isinstance(a, torch.Tensor) for a in args)
-        if self.native:
-            pid, outs = torch.ops.torch_pjrt.replay.default(self.gid, args)
-            if pid >= 0:
-                key = self.keys[pid]
-                self.programs.move_to_end(key)
-                return _rebuild(self.programs[key][2], outs)
-        key, inputs = self._key(args)
-        if key is None:
-            counters["eager_graphs"] += 1
-            return self.gm(*args)
-        prog = self.programs.get(key)
-        if prog is None:
-            self._note_recompile(key)
-            self.captures += 1
-            res = self._capture(key, args)
-            self._evict()
-            return res
-        self.programs.move_to_end(key)
-        if prog == "eager":
+        tensors, values = self._split(args)
+        pid, outs = _UNKEYABLE, None
+        if tensors is not None:
+            pid, outs = torch.ops.torch_pjrt.replay.default(self.gid, tensors, values)
+        if pid >= 0:
+            return _rebuild(self.specs[pid], outs)
+        if pid == _EAGER:
             counters["eager_graph_calls"] += 1
             return self.gm(*args)
-        pid, out_meta, spec, device = prog
-        outs = [torch.empty(s, dtype=d, device=device) for d, s in out_meta]
-        _C.replay(pid, inputs, [o.untyped_storage().data_ptr() for o in outs])
-        self._bind(args, key, pid)
-        return _rebuild(spec, outs)
+        if pid == _UNKEYABLE:
+            counters["eager_graphs"] += 1
+            return self.gm(*args)
+        return self._capture(args)
 
-    def _bind(self, args, key, pid):
-        if self.native:
-            torch.ops.torch_pjrt.bind.default(self.gid, args, pid)
-            self.keys[pid] = key
+    def _bind(self, pid, spec=None):
+        """Binds the key of the call just missed to ``pid`` (None: eager)."""
+        if pid is not None:
+            self.specs[pid] = spec
+        reason, evicted, freed = _C.graph_bind(self.gid, pid)
+        if reason is not None:
+            counters["recompilations"] += 1
+            counters[f"recompilations_{reason}"] += 1
+        counters["evicted_programs"] += evicted
+        counters["released_programs"] += len(freed)
+        for p in freed:
+            self.specs.pop(p, None)
 
-    def _capture(self, key, args):
+    def _capture(self, args):
         tensors = [a for a in args if isinstance(a, torch.Tensor)]
         device = tensors[0].device.index if tensors else torch.tpu.current_device()
         with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
@@ -239,33 +194,31 @@ class _Graph:
             try:
                 res = self.gm(*args)
             except BaseException:
-                _C.capture_end(device, [], [])
+                _C.capture_abort(device)
                 raise
             flat, spec = _flatten(res)
-            if not all(_is_tpu(t) and t.device.index == device and t.dtype in _DTYPE for t in flat):
-                _C.capture_end(device, [], [])
-                self.programs[key] = "eager"
-                counters["graph_breaks"] += 1
-                return res
-            r = _C.capture_end(device, [_meta(t) for t in tensors], [_meta(t) for t in flat],
-                               self.inference)
+            kept = all(t.dtype in _DTYPE for t in tensors) and all(
+                _is_tpu(t) and t.device.index == device and t.dtype in _DTYPE for t in flat)
+            if kept:
+                r = _C.capture_end(device, [_meta(t) for t in tensors], [_meta(t) for t in flat],
+                                   self.inference)
+            else:
+                _C.capture_abort(device)
+                r = None
         if r is None:
             # An op fell back to the CPU or a value was read mid-graph: keep it eager.
-            self.programs[key] = "eager"
             counters["graph_breaks"] += 1
+            self._bind(None)
             return res
         pid, out_meta = r
         counters["compiled_graphs"] += 1
         _hook_reset()
         if self.dump:
             print(_C.captured_mlir(pid))
-        # Kept ready for replays: torch dtypes and sizes, one device object.
-        out_meta = [(_FROM[d], torch.Size(s)) for d, s in out_meta]
         device = torch.device("tpu", device)
-        outs = [torch.empty(s, dtype=d, device=device) for d, s in out_meta]
+        outs = [torch.empty(s, dtype=_FROM[d], device=device) for d, s in out_meta]
         _C.take_outputs(pid, [o.untyped_storage().data_ptr() for o in outs])
-        self.programs[key] = (pid, out_meta, spec, device)
-        self._bind(args, key, pid)
+        self._bind(pid, spec)
         return _rebuild(spec, outs)
 
 
@@ -414,7 +367,7 @@ def export_stablehlo(fn, *example_inputs):
             try:
                 res = fn(*example_inputs)
             except BaseException:
-                _C.capture_end(device, [], [])
+                _C.capture_abort(device)
                 raise
             flat, _ = _flatten(res)
             r = _C.capture_end(device, [_meta(t) for t in tensors], [_meta(t.detach()) for t in flat])

@@ -892,6 +892,18 @@ impl Runtime {
         Ok(())
     }
 
+    /// Ends a capture without a program: what it recorded runs as an ordinary flush.
+    pub fn capture_abort(&self, device: usize) -> Result<()> {
+        {
+            let mut g = lock(&self.defer.graphs[device]);
+            if g.capturing {
+                g.broken = true;
+            }
+        }
+        self.capture_end(device, &[], &[], std::ptr::null_mut())
+            .map(|_| ())
+    }
+
     /// Ends a capture: `inputs` are the graph's tensor inputs, `outputs` its tensor outputs.
     /// Returns None when the capture broke (the recorded ops then simply run, as a flush).
     pub fn capture_end(

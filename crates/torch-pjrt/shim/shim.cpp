@@ -1005,16 +1005,21 @@ void tpu_boxed_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 }
 
 // ----------------------------------------------------------------------------
-// Compiled-graph replays: torch_pjrt::replay / torch_pjrt::bind. One native call per
-// graph call, so the input layout key and the outputs are not built tensor by tensor in
-// Python. Which program runs is decided in Rust; this only describes the inputs.
+// Compiled-graph replays: torch_pjrt::replay. One native call per graph call, so the input
+// key and the outputs are not built tensor by tensor in Python. Which program runs is
+// decided in Rust; this only describes the inputs.
 // ----------------------------------------------------------------------------
 
-// The layout key of a graph call (what compile.py's _Graph._key holds for tensors: dtype,
-// device, sizes, strides, offset, storage size, first input sharing the storage) and the
-// inputs' storage handles. False when an input is not a tpu tensor: Python decides then.
-bool replay_key(at::TensorList args, std::vector<int64_t>& key, std::vector<void*>& handles) {
-  key.clear();
+// The key of a graph call: [n, n shape words, layout words]. Shape words: each tensor's
+// dim and sizes, each Python value (tag, bits); layout words: each tensor's dtype, device,
+// strides, offset, storage size and first input sharing its storage. A program reads each
+// input's whole storage and inputs sharing one share a parameter, so all of it is keyed.
+// Also the inputs' storage handles. False when a tensor is not on tpu.
+bool replay_key(at::TensorList args, at::ArrayRef<c10::Scalar> values, std::vector<int64_t>& key,
+                std::vector<void*>& handles) {
+  thread_local std::vector<int64_t> layout;
+  key.assign(1, 0);
+  layout.clear();
   handles.clear();
   for (size_t i = 0; i < args.size(); ++i) {
     const at::Tensor& t = args[i];
@@ -1024,31 +1029,56 @@ bool replay_key(at::TensorList args, std::vector<int64_t>& key, std::vector<void
     void* h = st.data_ptr().get();
     const int64_t first = std::find(handles.begin(), handles.end(), h) - handles.begin();
     handles.push_back(h);
-    key.push_back(static_cast<int64_t>(t.scalar_type()));
-    key.push_back(t.device().index());
     key.push_back(t.dim());
     for (int64_t s : t.sizes()) key.push_back(s);
-    for (int64_t s : t.strides()) key.push_back(s);
-    key.push_back(t.storage_offset());
-    key.push_back(static_cast<int64_t>(st.nbytes()));
-    key.push_back(first);
+    layout.push_back(static_cast<int64_t>(t.scalar_type()));
+    layout.push_back(t.device().index());
+    for (int64_t s : t.strides()) layout.push_back(s);
+    layout.push_back(t.storage_offset());
+    layout.push_back(static_cast<int64_t>(st.nbytes()));
+    layout.push_back(first);
   }
+  for (const c10::Scalar& v : values) {
+    if (v.isBoolean()) {
+      key.push_back(2);
+      key.push_back(v.toBool());
+    } else if (v.isIntegral(false)) {
+      key.push_back(0);
+      key.push_back(v.toLong());
+    } else if (v.isFloatingPoint()) {
+      double d = v.toDouble();
+      int64_t bits;
+      std::memcpy(&bits, &d, sizeof bits);
+      key.push_back(1);
+      key.push_back(bits);
+    } else {
+      return false;
+    }
+  }
+  key[0] = static_cast<int64_t>(key.size()) - 1;
+  key.insert(key.end(), layout.begin(), layout.end());
   return true;
 }
 
-// Runs the program bound to (graph, layout of args): (program id, outputs), or (-1, [])
-// when none is bound and Python must look the call up itself.
-std::tuple<int64_t, std::vector<at::Tensor>> tpu_replay_op(int64_t graph, at::TensorList args) {
+// What torch_pjrt::replay returns as its program id besides one that ran.
+constexpr int64_t kReplayMissed = -1;     // nothing for this key yet: Python captures
+constexpr int64_t kReplayUnkeyable = -3;  // an input is not a tpu tensor: Python runs eagerly
+// (-2, the graph runs eagerly for this key, comes from Rust.)
+
+// Runs the program `graph` has for the key of (args, values): (program id, outputs), or
+// (a negative status, []) when nothing ran.
+std::tuple<int64_t, std::vector<at::Tensor>> tpu_replay_op(int64_t graph, at::TensorList args,
+                                                           at::ArrayRef<c10::Scalar> values) {
   thread_local std::vector<int64_t> key;
   thread_local std::vector<void*> handles;
   thread_local std::vector<TpuRet> rets(64);
   std::vector<at::Tensor> outs;
-  if (!replay_key(args, key, handles)) return {-1, std::move(outs)};
+  if (!replay_key(args, values, key, handles)) return {kReplayUnkeyable, std::move(outs)};
   for (int attempt = 0;; ++attempt) {
     TpuError err;
     clear_error(err);
     int32_t nrets = 0;
-    int64_t program = -1;
+    int64_t program = kReplayMissed;
     int32_t status = tpu_rs_graph_replay(graph, key.data(), static_cast<int64_t>(key.size()), handles.data(),
                                          static_cast<int64_t>(handles.size()), static_cast<int32_t>(rets.size()),
                                          &nrets, rets.data(), &program, &err);
@@ -1065,7 +1095,7 @@ std::tuple<int64_t, std::vector<at::Tensor>> tpu_replay_op(int64_t graph, at::Te
         }
         return {program, std::move(outs)};
       case TPU_DECLINED:
-        return {-1, std::move(outs)};
+        return {kReplayMissed, std::move(outs)};
       case TPU_NEED_RESIZE:  // more outputs than `rets` holds; nothing ran
         TORCH_CHECK(attempt == 0 && nrets > static_cast<int32_t>(rets.size()), "tpu: replay output count");
         rets.resize(nrets);
@@ -1074,17 +1104,6 @@ std::tuple<int64_t, std::vector<at::Tensor>> tpu_replay_op(int64_t graph, at::Te
         throw_tpu_error(err);
     }
   }
-}
-
-// Makes later calls of `graph` with the layout of `args` run `program` natively.
-void tpu_bind_op(int64_t graph, at::TensorList args, int64_t program) {
-  std::vector<int64_t> key;
-  std::vector<void*> handles;
-  if (!replay_key(args, key, handles)) return;
-  TpuError err;
-  clear_error(err);
-  if (tpu_rs_graph_bind(graph, key.data(), static_cast<int64_t>(key.size()), program, &err) != 0)
-    throw_tpu_error(err);
 }
 
 // ----------------------------------------------------------------------------
@@ -1169,8 +1188,7 @@ void init_locked() {
   // Our own ops, called by compile.py. A catch-all kernel: no autograd, any device.
   static torch::Library* own =
       new torch::Library(torch::Library::DEF, "torch_pjrt", std::nullopt, __FILE__, __LINE__);
-  own->def("replay(int graph, Tensor[] args) -> (int, Tensor[])", TORCH_FN(tpu_replay_op));
-  own->def("bind(int graph, Tensor[] args, int program) -> ()", TORCH_FN(tpu_bind_op));
+  own->def("replay(int graph, Tensor[] args, Scalar[] values) -> (int, Tensor[])", TORCH_FN(tpu_replay_op));
 
   // Their composite defaults throw for non-CPU/CUDA devices (P5).
   register_boxed_locked("convolution_overrideable");

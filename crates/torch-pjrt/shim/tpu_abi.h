@@ -125,15 +125,14 @@ typedef struct TpuError {
 int32_t tpu_rs_dispatch(const char* op_name, const char* overload, int32_t nargs,
                         const TpuArg* args, int32_t max_rets, int32_t* nrets, TpuRet* rets,
                         TpuError* err);
-// Compiled graphs (torch.compile): `key` is the layout of a graph call's inputs (see
-// replay_key in shim.cpp), `inputs` their storage handles. Replay runs the program bound
-// to (graph, key) and returns its outputs as new tensors, with its id in `program`:
-// TPU_OK, TPU_DECLINED (none bound: nothing ran), TPU_NEED_RESIZE (more than max_rets
-// outputs: nrets says how many, nothing ran) or TPU_ERROR.
+// Compiled graphs (torch.compile): `key` describes a graph call's inputs (see replay_key
+// in shim.cpp), `inputs` are their storage handles. Replay runs the program the graph has
+// for the key and returns its outputs as new tensors, with its id in `program`: TPU_OK
+// (`program` is -2 when the graph runs eagerly for this key: nothing ran), TPU_DECLINED
+// (nothing for this key yet; Rust keeps it for the bind after the capture), TPU_NEED_RESIZE
+// (more than max_rets outputs: nrets says how many, nothing ran) or TPU_ERROR.
 int32_t tpu_rs_graph_replay(int64_t graph, const int64_t* key, int64_t nkey, void* const* inputs, int64_t ninputs,
                             int32_t max_rets, int32_t* nrets, TpuRet* rets, int64_t* program, TpuError* err);
-// Binds (graph, key) to a compiled program. Returns 0 or sets err.
-int32_t tpu_rs_graph_bind(int64_t graph, const int64_t* key, int64_t nkey, int64_t program, TpuError* err);
 // Storage handles: a DataPtr's data and context are the handle.
 void* tpu_rs_storage_new(int64_t nbytes, int32_t device_index);
 void tpu_rs_storage_free(void* handle);

@@ -1,9 +1,10 @@
 //! torch.compile support: capture a graph's ops once (through the DeferAndFuse recorder and
 //! the same lowering rules), then replay the compiled program on new inputs.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::PyRuntimeError;
@@ -52,13 +53,98 @@ fn programs() -> std::sync::MutexGuard<'static, BTreeMap<usize, Arc<Entry>>> {
     PROGRAMS.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Per graph (compile.py's `_Graph.gid`): program ids by the input layout key the shim
-/// computes, for `torch_pjrt::replay`. Entries go with their program (`release`).
-type BoundKeys = HashMap<i64, HashMap<Vec<i64>, usize>>;
-static BOUND: Mutex<Option<BoundKeys>> = Mutex::new(None);
+/// What a graph call with one input key runs.
+#[derive(Clone, Copy, PartialEq)]
+enum Slot {
+    Program(usize),
+    /// The capture broke (an op fell back, a value was read): the graph runs eagerly.
+    Eager,
+}
 
-fn bound() -> std::sync::MutexGuard<'static, Option<BoundKeys>> {
-    BOUND.lock().unwrap_or_else(|e| e.into_inner())
+/// One compiled graph (compile.py's `_Graph`): what each input key runs, least recently
+/// used first when there are more than `max_programs`.
+///
+/// A key is what the shim computes from a call's arguments (`replay_key` in shim.cpp):
+/// `[n, shape words (n), layout words]`. The shape words (sizes, Python values) tell a new
+/// shape from a new layout (dtype, strides, offset, storage size, shared storages) of the
+/// same shapes when a recompilation is counted.
+struct Graph {
+    slots: HashMap<Vec<i64>, (Slot, u64)>,
+    /// Keys freed by eviction or release, with why, to name the reason if they come back.
+    dropped: VecDeque<(Vec<i64>, &'static str)>,
+    max_programs: Option<usize>,
+    captures: usize,
+    clock: u64,
+}
+
+impl Graph {
+    fn shapes(key: &[i64]) -> &[i64] {
+        let n = key
+            .first()
+            .map_or(0, |n| (*n).clamp(0, key.len() as i64 - 1) as usize);
+        &key[1..1 + n]
+    }
+
+    /// Why a key is compiled again (None for the graph's first capture).
+    fn recompile_reason(&mut self, key: &[i64]) -> Option<&'static str> {
+        if self.captures == 0 {
+            return None;
+        }
+        if let Some(i) = self.dropped.iter().position(|(k, _)| k == key) {
+            return self.dropped.remove(i).map(|(_, why)| why);
+        }
+        let shapes = Self::shapes(key);
+        let same = self.slots.keys().any(|k| Self::shapes(k) == shapes);
+        Some(if same { "new_layout" } else { "new_shape" })
+    }
+
+    fn forget(&mut self, key: Vec<i64>, why: &'static str) {
+        self.dropped.push_back((key, why));
+        let cap = 4 * self.max_programs.unwrap_or(DEFAULT_MAX_PROGRAMS);
+        while self.dropped.len() > cap {
+            self.dropped.pop_front();
+        }
+    }
+
+    /// Removes the least recently used keys beyond `max_programs`: their programs.
+    fn evict(&mut self) -> Vec<Slot> {
+        let mut out = Vec::new();
+        let Some(max) = self.max_programs else {
+            return out;
+        };
+        while self.slots.len() > max {
+            let Some(key) = self
+                .slots
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| k.clone())
+            else {
+                break;
+            };
+            if let Some((slot, _)) = self.slots.remove(&key) {
+                out.push(slot);
+            }
+            self.forget(key, "evicted");
+        }
+        out
+    }
+}
+
+/// compile.py's default for `max_programs`, for sizing `Graph::dropped` when it is None.
+const DEFAULT_MAX_PROGRAMS: usize = 16;
+
+/// Live graphs by id; ids are never reused.
+static GRAPHS: Mutex<BTreeMap<i64, Graph>> = Mutex::new(BTreeMap::new());
+static NEXT_GRAPH: AtomicI64 = AtomicI64::new(0);
+
+fn graphs() -> std::sync::MutexGuard<'static, BTreeMap<i64, Graph>> {
+    GRAPHS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+thread_local! {
+    /// Per graph, the key of this thread's last replay that found nothing, for the
+    /// `graph_bind` that follows its capture (captures can nest).
+    static MISSED: RefCell<HashMap<i64, Vec<i64>>> = RefCell::new(HashMap::new());
 }
 
 fn err(e: runtime::Error) -> PyErr {
@@ -124,6 +210,13 @@ fn capture_begin(py: Python<'_>, device: usize) -> PyResult<()> {
     py.allow_threads(|| rt.capture_begin(device)).map_err(err)
 }
 
+/// Ends a capture without a program: what it recorded runs as a DeferAndFuse flush.
+#[pyfunction]
+fn capture_abort(py: Python<'_>, device: usize) -> PyResult<()> {
+    let rt = rt()?;
+    py.allow_threads(|| rt.capture_abort(device)).map_err(err)
+}
+
 /// Ends a capture; returns (id, [(dtype, sizes)] of the outputs) or None if it broke.
 /// `inference`: AOTAutograd's graph without autograd (an optimizer step when it writes
 /// its inputs).
@@ -136,6 +229,11 @@ fn capture_end(
     inference: bool,
 ) -> PyResult<Option<(usize, Vec<OutMeta>)>> {
     let rt = rt()?;
+    // A replay returns its outputs through the shim's fixed-size descriptors.
+    if outputs.iter().any(|m| m.2.len() > MAX_DIMS) {
+        rt.capture_abort(device).map_err(err)?;
+        return Ok(None);
+    }
     let ins: Vec<TensorRef> = inputs.iter().map(|m| tensor(m, device)).collect();
     let outs: Vec<TensorRef> = outputs.iter().map(|m| tensor(m, device)).collect();
     let Some((mut captured, handles)) = rt
@@ -159,19 +257,23 @@ fn capture_end(
     Ok(Some((id, meta)))
 }
 
-/// Frees a compiled graph (its executable, constants and untaken first results) once no
-/// replay still runs it; returns whether it was live.
+/// Frees compiled programs (executables, constants, untaken first results) once no
+/// replay still runs them; returns how many were live.
+fn free(py: Python<'_>, ids: &[usize]) -> usize {
+    let gone: Vec<Arc<Entry>> = {
+        let mut p = programs();
+        ids.iter().filter_map(|id| p.remove(id)).collect()
+    };
+    let n = gone.len();
+    // Dropped outside the table's lock; PJRT frees the buffers without the GIL.
+    py.allow_threads(|| drop(gone));
+    n
+}
+
+/// Frees a compiled graph that no graph table holds (an export); returns whether it was live.
 #[pyfunction]
 fn release(py: Python<'_>, id: usize) -> bool {
-    let e = programs().remove(&id);
-    let live = e.is_some();
-    if let Some(b) = bound().as_mut() {
-        b.values_mut().for_each(|keys| keys.retain(|_, p| *p != id));
-        b.retain(|_, keys| !keys.is_empty());
-    }
-    // Dropped outside the table's lock; PJRT frees the buffers without the GIL.
-    py.allow_threads(|| drop(e));
-    live
+    free(py, &[id]) == 1
 }
 
 /// The number of compiled graphs not yet released.
@@ -180,12 +282,95 @@ fn live_programs() -> usize {
     programs().len()
 }
 
-/// The number of (graph, input layout) pairs `torch_pjrt::replay` can find (for tests).
+/// A new graph table; `max_programs`: keys kept, least recently used freed first (None:
+/// no limit).
 #[pyfunction]
-fn bound_layouts() -> usize {
-    bound()
-        .as_ref()
-        .map_or(0, |b| b.values().map(|k| k.len()).sum())
+#[pyo3(signature = (max_programs=None))]
+fn graph_new(max_programs: Option<usize>) -> i64 {
+    let id = NEXT_GRAPH.fetch_add(1, Ordering::Relaxed);
+    let g = Graph {
+        slots: HashMap::new(),
+        dropped: VecDeque::new(),
+        max_programs,
+        captures: 0,
+        clock: 0,
+    };
+    graphs().insert(id, g);
+    id
+}
+
+/// After a replay of `graph` found nothing for its key, makes that key run `program` (None:
+/// the graph runs eagerly for it). Returns (why this is a recompilation, or None for the
+/// graph's first capture; the keys evicted beyond max_programs; the programs freed).
+#[pyfunction]
+#[pyo3(signature = (graph, program))]
+fn graph_bind(
+    py: Python<'_>,
+    graph: i64,
+    program: Option<usize>,
+) -> PyResult<(Option<&'static str>, usize, Vec<usize>)> {
+    let g = graph;
+    let Some(key) = MISSED.with(|m| m.borrow_mut().remove(&graph)) else {
+        return Err(PyRuntimeError::new_err(format!(
+            "graph {graph}: bind without a missed replay"
+        )));
+    };
+    if let Some(p) = program {
+        if !programs().contains_key(&p) {
+            return Err(PyRuntimeError::new_err(format!("no compiled graph {p}")));
+        }
+    }
+    let (reason, evicted) = {
+        let mut all = graphs();
+        let Some(t) = all.get_mut(&g) else {
+            return Err(PyRuntimeError::new_err(format!("no graph {graph}")));
+        };
+        let reason = t.recompile_reason(&key);
+        t.captures += 1;
+        t.clock += 1;
+        let slot = program.map_or(Slot::Eager, Slot::Program);
+        t.slots.insert(key, (slot, t.clock));
+        (reason, t.evict())
+    };
+    let ids: Vec<usize> = evicted
+        .iter()
+        .filter_map(|s| match s {
+            Slot::Program(p) => Some(*p),
+            Slot::Eager => None,
+        })
+        .collect();
+    free(py, &ids);
+    Ok((reason, evicted.len(), ids))
+}
+
+/// Frees every program of `graph`, remembering its keys as released (a later call with one
+/// captures again); `forget`: the graph itself is gone too. Returns the programs freed.
+#[pyfunction]
+fn graph_release(py: Python<'_>, graph: i64, forget: bool) -> Vec<usize> {
+    let slots: Vec<(Vec<i64>, Slot)> = {
+        let mut all = graphs();
+        let Some(t) = all.get_mut(&graph) else {
+            return Vec::new();
+        };
+        let slots: Vec<_> = t.slots.drain().map(|(k, (s, _))| (k, s)).collect();
+        if forget {
+            all.remove(&graph);
+        } else {
+            for (k, _) in &slots {
+                t.forget(k.clone(), "released");
+            }
+        }
+        slots
+    };
+    let ids: Vec<usize> = slots
+        .iter()
+        .filter_map(|(_, s)| match s {
+            Slot::Program(p) => Some(*p),
+            Slot::Eager => None,
+        })
+        .collect();
+    free(py, &ids);
+    ids
 }
 
 /// Delivers the capture's first results into freshly allocated output tensors.
@@ -201,21 +386,12 @@ fn take_outputs(id: usize, outs: Vec<usize>) -> PyResult<()> {
     )
 }
 
-/// Runs a compiled graph: inputs and (preallocated) outputs are storage handles.
-#[pyfunction]
-fn replay(py: Python<'_>, id: usize, inputs: Vec<usize>, outs: Vec<usize>) -> PyResult<()> {
-    let e = entry(id)?;
-    let rt = rt()?;
-    py.allow_threads(|| {
-        let ins: Vec<*const Storage> = inputs.iter().map(|h| *h as *const Storage).collect();
-        let outs: Vec<*const Storage> = outs.iter().map(|h| *h as *const Storage).collect();
-        rt.replay(&e.captured, &ins, &outs, gen_state(e.captured.device))
-    })
-    .map_err(err)
-}
+/// What `program` holds when the graph runs eagerly for this key (nothing ran).
+const EAGER: i64 = -2;
 
-/// `torch_pjrt::replay`'s work: runs the program bound to (graph, key) on `inputs` and
-/// fills `rets` with its outputs as new storages.
+/// `torch_pjrt::replay`'s work: runs the program `graph` has for `key` on `inputs` and
+/// fills `rets` with its outputs as new storages. DECLINED when it has none (the key is
+/// kept for `graph_bind`).
 ///
 /// # Safety
 /// Pointers as described in tpu_abi.h; `inputs` are live storage handles.
@@ -236,10 +412,31 @@ pub unsafe extern "C" fn tpu_rs_graph_replay(
         // SAFETY: arrays of the given lengths per the ABI.
         let key = unsafe { std::slice::from_raw_parts(key, nkey.max(0) as usize) };
         let inputs = unsafe { std::slice::from_raw_parts(inputs, ninputs.max(0) as usize) };
-        let id = bound()
-            .as_ref()
-            .and_then(|b| b.get(&graph)?.get(key).copied());
-        let Some((id, e)) = id.and_then(|id| Some((id, programs().get(&id).cloned()?))) else {
+        let slot = {
+            let mut all = graphs();
+            let t = all.get_mut(&graph);
+            t.and_then(|t| {
+                t.clock += 1;
+                let now = t.clock;
+                let (slot, used) = t.slots.get_mut(key)?;
+                *used = now;
+                Some(*slot)
+            })
+        };
+        let e = match slot {
+            Some(Slot::Program(id)) => programs().get(&id).cloned().map(|e| (id, e)),
+            Some(Slot::Eager) => {
+                // SAFETY: nrets and program are valid per the ABI.
+                unsafe {
+                    *nrets = 0;
+                    *program = EAGER;
+                }
+                return Ok(OK);
+            }
+            None => None,
+        };
+        let Some((id, e)) = e else {
+            MISSED.with(|m| m.borrow_mut().insert(graph, key.to_vec()));
             return Ok(DECLINED);
         };
         let c = &e.captured;
@@ -247,9 +444,6 @@ pub unsafe extern "C" fn tpu_rs_graph_replay(
         unsafe { *nrets = c.outputs.len() as i32 };
         if c.outputs.len() > max_rets.max(0) as usize {
             return Ok(NEED_RESIZE);
-        }
-        if c.outputs.iter().any(|(_, s)| s.len() > MAX_DIMS) {
-            return Ok(DECLINED);
         }
         let outs: Vec<*const Storage> = c
             .outputs
@@ -275,36 +469,6 @@ pub unsafe extern "C" fn tpu_rs_graph_replay(
         }
         // SAFETY: as above.
         unsafe { *program = id as i64 };
-        Ok(OK)
-    })
-}
-
-/// `torch_pjrt::bind`: later replays of `graph` with this layout key run `program`.
-///
-/// # Safety
-/// `key` holds `nkey` values.
-#[no_mangle]
-pub unsafe extern "C" fn tpu_rs_graph_bind(
-    graph: i64,
-    key: *const i64,
-    nkey: i64,
-    program: i64,
-    err: *mut TpuError,
-) -> i32 {
-    guarded(err, "graph bind", || {
-        // SAFETY: per the ABI.
-        let key = unsafe { std::slice::from_raw_parts(key, nkey.max(0) as usize) };
-        let id = program as usize;
-        if program < 0 || !programs().contains_key(&id) {
-            return Err(runtime::Error::runtime(format!(
-                "no compiled graph {program}"
-            )));
-        }
-        bound()
-            .get_or_insert_with(HashMap::new)
-            .entry(graph)
-            .or_default()
-            .insert(key.to_vec(), id);
         Ok(OK)
     })
 }
@@ -377,13 +541,15 @@ fn run_mlir(
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(capture_begin, m)?)?;
     m.add_function(wrap_pyfunction!(capture_end, m)?)?;
+    m.add_function(wrap_pyfunction!(capture_abort, m)?)?;
     m.add_function(wrap_pyfunction!(take_outputs, m)?)?;
-    m.add_function(wrap_pyfunction!(replay, m)?)?;
     m.add_function(wrap_pyfunction!(captured_mlir, m)?)?;
     m.add_function(wrap_pyfunction!(run_mlir, m)?)?;
     m.add_function(wrap_pyfunction!(captured_inputs, m)?)?;
     m.add_function(wrap_pyfunction!(release, m)?)?;
     m.add_function(wrap_pyfunction!(live_programs, m)?)?;
-    m.add_function(wrap_pyfunction!(bound_layouts, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_new, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_bind, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_release, m)?)?;
     Ok(())
 }
