@@ -272,6 +272,20 @@ def test_ops_reading_a_bad_index_result_do_not_run(mode):
         assert (x + 1).cpu().tolist() == [1.0, 2.0, 3.0]
 
 
+@pytest.mark.parametrize("mode", MODES[1:])
+def test_reading_a_multi_output_result_of_a_bad_index_raises(mode):
+    """Ops returning several tensors write into outputs the shim allocates (out= targets):
+    reading one after its data check failed raises the error, not the untouched zeros."""
+    x = torch.randn(3, 5).to("tpu")
+    with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, mode)):
+        loss, total = torch.ops.aten.nll_loss_forward(x, torch.tensor([1, 9, 2]).to("tpu"),
+                                                      None, 1, -100)
+        with pytest.raises(IndexError, match="Target 9 is out of bounds"):
+            loss.cpu()
+        torch.tpu.synchronize()  # reported once, by the read
+        assert (x + 1).cpu().shape == (3, 5)
+
+
 def test_bad_index_in_a_deferred_training_step_keeps_the_weights():
     """A DeferAndFuse step whose graph updates parameters in place (donating their buffers)
     and looks up an out-of-range token: IndexError, and the weights are those before the

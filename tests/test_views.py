@@ -660,3 +660,83 @@ def test_histc_of_half_tensors(dtype, seed):
     big = torch.zeros(5000, dtype=dtype)
     torch.testing.assert_close(torch.histc(big.to("tpu"), 2, -1, 1).cpu(),
                                torch.histc(big.float(), 2, -1, 1).to(dtype))
+
+
+def _fractional(n, x, k, out, u):
+    pool = torch.ops.aten.fractional_max_pool2d if n == 2 else torch.ops.aten.fractional_max_pool3d
+    return pool(x, k, out, u)
+
+
+FRACTIONAL_CASES = [  # (n, input shape, kernel, output): with and without a batch dim
+    (2, (2, 3, 9, 11), [2, 3], [4, 5]),
+    (2, (3, 7, 7), [3, 2], [5, 6]),  # last windows end at the edge (2-d allows it)
+    (2, (1, 2, 6, 40), [1, 4], [1, 20]),
+    (3, (2, 2, 5, 6, 7), [2, 2, 3], [3, 2, 4]),
+    (3, (3, 6, 5, 8), [1, 2, 2], [1, 3, 2]),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", range(len(FRACTIONAL_CASES)))
+def test_fractional_max_pool_with_given_samples(case, dtype, seed):
+    """Window starts from the samples as the CPU kernel computes them (in the input dtype),
+    first index among ties, NaN wins; the gradient goes to the chosen elements."""
+    n, shape, k, out = FRACTIONAL_CASES[case]
+    x = torch.randint(-3, 4, shape).to(dtype)  # many ties
+    x.view(-1)[::7] = float("nan")
+    x.view(-1)[3::11] = float("-inf")
+    planes = shape[-n - 1]
+    u = torch.rand(shape[0] if len(shape) == n + 2 else 1, planes, n).to(dtype)
+    compare(lambda x, u: _fractional(n, x, k, out, u), x, u, check_fallback=True)
+
+    def grad(x, u):
+        x = x.clone().requires_grad_()
+        y, _ = _fractional(n, x, k, out, u)
+        (y * torch.arange(y.numel(), device=y.device).reshape(y.shape)).nansum().backward()
+        return x.grad
+
+    compare(grad, torch.randn(shape).to(dtype), u, check_fallback=True)
+
+
+FRACTIONAL_ERRORS = {
+    "kernel zero": (2, (1, 1, 5, 5), [0, 2], [2, 2], (1, 1, 2)),
+    "rank": (2, (5, 5), [2, 2], [2, 2], (1, 1, 2)),
+    "empty plane": (2, (1, 0, 5, 5), [2, 2], [2, 2], (1, 0, 2)),
+    "pool height": (2, (1, 1, 5, 5), [3, 3], [4, 2], (1, 1, 2)),
+    "pool width": (2, (1, 1, 5, 5), [2, 3], [2, 4], (1, 1, 2)),
+    "samples rank": (2, (1, 1, 5, 5), [2, 2], [2, 2], (1, 2)),
+    "samples batch": (2, (2, 1, 5, 5), [2, 2], [2, 2], (1, 1, 2)),
+    "samples planes": (2, (1, 3, 5, 5), [2, 2], [2, 2], (1, 1, 2)),
+    "samples count": (2, (1, 1, 5, 5), [2, 2], [2, 2], (1, 1, 3)),
+    "3d kernel zero": (3, (1, 1, 5, 5, 5), [0, 2, 2], [2, 2, 2], (1, 1, 3)),
+    "3d rank": (3, (5, 5, 5), [2, 2, 2], [2, 2, 2], (1, 1, 3)),
+    "3d pool time": (3, (1, 1, 5, 5, 5), [2, 2, 2], [4, 2, 2], (1, 1, 3)),
+    "3d pool width first": (3, (1, 1, 5, 5, 5), [2, 2, 2], [2, 4, 4], (1, 1, 3)),
+    "3d samples count": (3, (1, 1, 5, 5, 5), [2, 2, 2], [2, 2, 2], (1, 1, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(FRACTIONAL_ERRORS))
+def test_fractional_max_pool_errors_like_cpu(name, fallback_off):
+    n, shape, k, out, ushape = FRACTIONAL_ERRORS[name]
+    x, u = torch.randn(shape), torch.rand(ushape)
+    with pytest.raises(RuntimeError) as cpu:
+        _fractional(n, x, k, out, u)
+    with pytest.raises(RuntimeError) as tpu:
+        _fractional(n, x.to("tpu"), k, out, u.to("tpu"))
+    assert type(tpu.value) is type(cpu.value)
+    assert str(tpu.value) == str(cpu.value)
+    with pytest.raises(RuntimeError, match="same dtype as input"):
+        _fractional(2, torch.randn(1, 1, 5, 5, device="tpu"), [2, 2], [2, 2],
+                    torch.rand(1, 1, 2, dtype=torch.float64, device="tpu"))
+
+
+
+def test_fractional_max_pool_huge_samples_raise():
+    """Samples in [0, 1) keep every window inside the input; a huge one (where i + u rounds
+    in float32) would not, and raises a RuntimeError at the next read instead of reading
+    clamped positions (the CPU kernel's int casts overflow there)."""
+    x = torch.randn(1, 1, 6, 200, device="tpu")
+    u = torch.full((1, 1, 2), 2.0 ** 30, device="tpu")
+    with pytest.raises(RuntimeError, match="outside the input"):
+        torch.ops.aten.fractional_max_pool2d(x, [2, 2], [3, 100], u)[0].cpu()

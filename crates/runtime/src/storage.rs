@@ -144,7 +144,7 @@ impl Storage {
                 crate::get()?.worker.reported(&e);
                 Err(e)
             }
-            None => Ok(()),
+            None => crate::get()?.worker.take_error(),
         }
     }
 

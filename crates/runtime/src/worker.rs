@@ -184,6 +184,16 @@ impl Worker {
         }
     }
 
+    /// A failed job's error not raised yet: a host read raises it (once), as the next
+    /// synchronization would. Without it, reading an out= or in-place target of a job whose
+    /// data check failed would return the target's old value with no error.
+    pub(crate) fn take_error(&self) -> Result<()> {
+        match lock(&self.state).error.take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
     /// A host read already raised `e` (a failed job's poisoned output): the next
     /// synchronization does not raise it again.
     pub(crate) fn reported(&self, e: &Error) {
@@ -327,6 +337,9 @@ impl Worker {
     /// next synchronization raises.
     fn check_failed(&self, seq: u64, job: &Job, e: Error) {
         let e = job.found(e);
+        // Recorded before the targets are released: a read that no longer waits for
+        // this job must find the error.
+        lock(&self.state).error.get_or_insert(e.clone());
         for (i, (s, _)) in job.outputs.iter().enumerate() {
             if i < job.new_outputs {
                 s.poison(seq, &e);
@@ -334,7 +347,6 @@ impl Worker {
                 s.unpend(seq);
             }
         }
-        lock(&self.state).error.get_or_insert(e);
     }
 }
 

@@ -2030,6 +2030,242 @@ fn max_pool_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(index_grad(c.b, &gy, &ind, &x, n))])
 }
 
+/// fractional_max_pool{2,3}d's checks, in PyTorch's order and words; returns the output
+/// shape.
+fn fractional_args(
+    x: &TensorArg,
+    u: &TensorArg,
+    k: &[i64],
+    out: &[i64],
+    n: usize,
+) -> LResult<Vec<i64>> {
+    let err = |m: String| user_err::<Vec<i64>>(ErrorKind::Runtime, m);
+    // The 3-d kernel's messages name its out= template.
+    let (name, fname) = if n == 2 {
+        ("fractional_max_pool2d()", "fractional_max_pool2d()")
+    } else {
+        ("fractional_max_pool3d()", "fractional_max_pool3d_out()")
+    };
+    if k.len() != n || out.len() != n || out.iter().any(|o| *o < 0) {
+        return decline(format!("{name}: kernel_size/output_size"));
+    }
+    if k.iter().any(|v| *v <= 0) {
+        let ks: Vec<String> = k.iter().map(|v| v.to_string()).collect();
+        return err(format!(
+            "{name}: kernel size should be greater than zero, but got {}",
+            ks.join("x")
+        ));
+    }
+    let r = x.shape.len();
+    if r != n + 1 && r != n + 2 {
+        return err(format!(
+            "{fname}: Expected {}D or {}D tensor, but got: {}",
+            n + 1,
+            n + 2,
+            shape_str(&x.shape)
+        ));
+    }
+    if let Some(d) = (r - n - 1..r).find(|d| x.shape[*d] == 0) {
+        return err(format!(
+            "{fname}: Expected input to have non-zero size for non-batch dimensions, but got{} with dimension {d} being empty.",
+            shape_str(&x.shape)
+        ));
+    }
+    let sp = &x.shape[r - n..];
+    // 2-d allows a last window ending at the edge, 3-d does not; 3-d checks W before H.
+    let order: &[(usize, &str)] = if n == 2 {
+        &[(0, "height"), (1, "width")]
+    } else {
+        &[(0, "time"), (2, "width"), (1, "height")]
+    };
+    for (i, what) in order {
+        let end = out[*i] + k[*i] - 1;
+        if (n == 2 && end > sp[*i]) || (n == 3 && end >= sp[*i]) {
+            return err(format!(
+                "{fname}: pool {what} {} too large relative to input {what} {}",
+                k[*i], sp[*i]
+            ));
+        }
+    }
+    let batch = if r == n + 2 { x.shape[0] } else { 1 };
+    let planes = x.shape[r - n - 1];
+    if u.dtype != x.dtype {
+        return err("Expect _random_samples to have the same dtype as input".into());
+    }
+    if u.shape.len() != 3 {
+        return err(format!(
+            "Expect _random_samples to have 3 dimensions, got {}",
+            u.shape.len()
+        ));
+    }
+    if u.shape[0] < batch {
+        return err("Expect _random_samples.size(0) no less then input batch size.".into());
+    }
+    if u.shape[1] != planes {
+        return err("Expect _random_samples.size(1) equals to input channel size.".into());
+    }
+    if u.shape[2] != n as i64 {
+        return err(format!(
+            "Expect _random_samples.size(2) equals to {n}; got {}.",
+            u.shape[2]
+        ));
+    }
+    Ok(with_spatial(&x.shape, out))
+}
+
+/// The first input index of each of a plane's `out` windows along one dim, from the
+/// plane's sample `u` (shape [planes]): PyTorch's pseudo-random interval sequence,
+/// computed in the input's dtype as its CPU kernel does. An i64 value of [planes, out].
+fn fractional_starts(b: &mut Builder, u: Value, inp: i64, k: i64, out: i64) -> Value {
+    let dt = b.dtype(u);
+    let planes = b.shape(u)[0];
+    let last = b.full(DType::I64, &[planes, 1], (inp - k) as f64);
+    if out == 1 {
+        return last;
+    }
+    // alpha = (inp - k) / (out - 1) in the dtype: f32 division rounded once for halves.
+    let alpha = if dt == DType::F64 {
+        b.constant(dt, (inp - k) as f64 / (out - 1) as f64)
+    } else {
+        let a = b.constant(DType::F32, ((inp - k) as f32 / (out - 1) as f32) as f64);
+        b.convert(a, dt)
+    };
+    let shape = [planes, out - 1];
+    let i = b.iota(dt, &shape, 1);
+    let ub = b.broadcast_in_dim(u, &shape, &[0]);
+    let a = b.broadcast_to(alpha, &shape);
+    let t = b.add(i, ub);
+    let t = b.mul(t, a);
+    let t = b.convert(t, DType::I64);
+    let a0 = b.broadcast_to(alpha, &[planes]);
+    let t0 = b.mul(u, a0);
+    let t0 = b.convert(t0, DType::I64);
+    let t0 = b.broadcast_in_dim(t0, &shape, &[0]);
+    let seq = b.sub(t, t0);
+    b.concatenate(&[seq, last], 1)
+}
+
+/// fractional_max_pool{2,3}d: the max over windows of `kernel_size` whose starts follow a
+/// per-plane pseudo-random sequence drawn from `random_samples`, and its flat index in the
+/// plane. Windows are scanned in order; a larger value or a NaN replaces the max.
+fn fractional_max_pool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
+    let x = tensor(c, "self")?;
+    let u = tensor(c, "random_samples")?;
+    let k = c.args.ints("kernel_size")?;
+    let out = c.args.ints("output_size")?;
+    let want = fractional_args(&x, &u, &k, &out, n)?;
+    float_input(&x, "fractional_max_pool")?;
+    if numel(&want) == 0 {
+        return Ok(empty_outs(c.b, &[x.dtype, DType::I64], &want));
+    }
+    let r = x.shape.len();
+    let sp = x.shape[r - n..].to_vec();
+    let planes = numel(&x.shape[..r - n]);
+    let vol = numel(&sp);
+    // The samples of the planes present: [planes, n].
+    let batch = planes / x.shape[r - n - 1];
+    let us = c.b.slice_dim(u.value, 0, 0, batch, 1);
+    let us = c.b.reshape(us, &[planes, n as i64]);
+    // Sample column per pooled dim: 2-d draws W from column 0 and H from 1; 3-d T, H, W.
+    let cols: Vec<i64> = if n == 2 { vec![1, 0] } else { vec![0, 1, 2] };
+    let mut starts = Vec::new();
+    for j in 0..n {
+        let col = c.b.slice_dim(us, 1, cols[j], cols[j] + 1, 1);
+        let col = c.b.reshape(col, &[planes]);
+        let st = fractional_starts(c.b, col, sp[j], k[j], out[j]);
+        // Samples in [0, 1) keep every window inside; huge ones (where `i + u` rounds)
+        // may not, and XLA would clamp the gather silently.
+        c.check_range(
+            st,
+            0,
+            sp[j] - k[j] + 1,
+            ErrorKind::Runtime,
+            format!("fractional_max_pool{n}d(): random_samples place a window at {{index}}, outside the input (samples must lie in [0, 1))"),
+        );
+        starts.push(st);
+    }
+    let b = &mut *c.b;
+    let mut oshape = vec![planes];
+    oshape.extend_from_slice(&out);
+    // Flat index of each window's first element: sum of start * stride over the dims.
+    let mut base = b.full(DType::I64, &oshape, 0.0);
+    let mut stride = vol;
+    for (j, st) in starts.into_iter().enumerate() {
+        stride /= sp[j];
+        let s = b.full(DType::I64, &[planes, out[j]], stride as f64);
+        let st = b.mul(st, s);
+        let st = b.broadcast_in_dim(st, &oshape, &[0, 1 + j as i64]);
+        base = b.add(base, st);
+    }
+    let flat = b.reshape(x.value, &[planes * vol]);
+    let plane = b.iota(DType::I64, &oshape, 0);
+    let pv = b.full(DType::I64, &oshape, vol as f64);
+    let plane = b.mul(plane, pv);
+    let m = numel(&oshape);
+    let mut best: Option<(Value, Value)> = None;
+    for off in 0..numel(&k) {
+        // Offset of this kernel element within the window, T/H outer, W inner.
+        let (mut rem, mut delta, mut st) = (off, 0, vol);
+        let mut kst = numel(&k);
+        for j in 0..n {
+            st /= sp[j];
+            kst /= k[j];
+            delta += (rem / kst) * st;
+            rem %= kst;
+        }
+        let d = b.full(DType::I64, &oshape, delta as f64);
+        let idx = b.add(base, d);
+        let lin = b.add(plane, idx);
+        let lin = b.reshape(lin, &[m, 1]);
+        let v = b.gather(flat, lin, &[], &[0], &[0], 1, &[1]);
+        let v = b.reshape(v, &oshape);
+        best = Some(match best {
+            None => (v, idx),
+            Some((mv, mi)) => {
+                let gt = b.compare(v, mv, CmpDir::Gt);
+                let nan = b.compare(v, v, CmpDir::Ne);
+                let take = b.or(gt, nan);
+                (b.select(take, v, mv), b.select(take, idx, mi))
+            }
+        });
+    }
+    let (mv, mi) = best.expect("kernel sizes are positive");
+    Ok(vec![
+        Out::T(b.reshape(mv, &want)),
+        Out::T(b.reshape(mi, &want)),
+    ])
+}
+
+/// fractional_max_pool{2,3}d_backward: each gradient added at the index its window chose.
+fn fractional_max_pool_backward(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
+    let gy = tensor(c, "grad_output")?;
+    let x = tensor(c, "self")?;
+    let ind = tensor(c, "indices")?;
+    let out = c.args.ints("output_size")?;
+    let r = x.shape.len();
+    if out.len() != n || (r != n + 1 && r != n + 2) {
+        return decline("fractional_max_pool_backward: arguments");
+    }
+    float_input(&x, "fractional_max_pool_backward")?;
+    let want = with_spatial(&x.shape, &out);
+    // Mismatches get the CPU kernel's own errors from the fallback.
+    if gy.shape != want || ind.shape != want || gy.dtype != x.dtype || ind.dtype != DType::I64 {
+        return decline("fractional_max_pool_backward: grad_output/indices shape or dtype");
+    }
+    if numel(&x.shape) == 0 || numel(&want) == 0 {
+        return Ok(vec![Out::T(c.b.full(x.dtype, &x.shape, 0.0))]);
+    }
+    let vol = numel(&x.shape[r - n..]);
+    c.check_range(
+        ind.value,
+        0,
+        vol,
+        ErrorKind::Runtime,
+        format!("fractional_max_pool{n}d_backward(): index {{index}} is out of bounds for a pooled plane of {vol} elements"),
+    );
+    Ok(vec![Out::T(index_grad(c.b, &gy, &ind, &x, n))])
+}
+
 /// Divisors of avg pooling along one dim: the window length clipped to the padded input
 /// (count_include_pad) or to the input.
 fn avg_counts(inp: i64, k: i64, s: i64, p: i64, out: i64, include_pad: bool) -> Vec<f64> {
@@ -4262,6 +4498,14 @@ pub const RULES: &[(&str, Rule)] = &[
     }),
     ("aten::max_pool3d_with_indices_backward", |c| {
         max_pool_backward(c, 3)
+    }),
+    ("aten::fractional_max_pool2d", |c| fractional_max_pool(c, 2)),
+    ("aten::fractional_max_pool3d", |c| fractional_max_pool(c, 3)),
+    ("aten::fractional_max_pool2d_backward", |c| {
+        fractional_max_pool_backward(c, 2)
+    }),
+    ("aten::fractional_max_pool3d_backward", |c| {
+        fractional_max_pool_backward(c, 3)
     }),
     ("aten::avg_pool2d", |c| avg_pool(c, 2)),
     ("aten::avg_pool3d", |c| avg_pool(c, 3)),
