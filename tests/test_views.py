@@ -740,3 +740,36 @@ def test_fractional_max_pool_huge_samples_raise():
     u = torch.full((1, 1, 2), 2.0 ** 30, device="tpu")
     with pytest.raises(RuntimeError, match="outside the input"):
         torch.ops.aten.fractional_max_pool2d(x, [2, 2], [3, 100], u)[0].cpu()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_rrelu_training_draws_slopes_on_the_device(dtype, no_fallback):
+    """Training-mode rrelu: positive elements pass, the others are scaled by a slope drawn
+    from [lower, upper) that the noise records (1 where x > 0); the gradient is the noise.
+    The draws come from the tpu generator (reproducible with manual_seed), so only these
+    properties, not the CPU's values, can be compared. Evaluation mode uses the mean slope."""
+    lower, upper = 0.1, 0.3
+    x = torch.randn(4000).to(dtype)
+    x[:5] = 0.0
+    xt = x.to("tpu").requires_grad_()
+    torch.manual_seed(3)
+    y = torch.nn.functional.rrelu(xt, lower, upper, training=True)
+    y.sum().backward()
+    noise = xt.grad.cpu().double()
+    yc, xc = y.detach().cpu().double(), x.double()
+    pos = xc > 0
+    assert torch.equal(yc[pos], xc[pos]) and torch.equal(noise[pos], torch.ones_like(noise[pos]))
+    neg = ~pos
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert noise[neg].min() >= lower - tol and noise[neg].max() < upper + tol
+    torch.testing.assert_close(yc[neg & (xc != 0)], (xc * noise)[neg & (xc != 0)],
+                               rtol=tol, atol=0)
+    assert noise[neg].std() > 0.04  # drawn, not one slope
+    torch.manual_seed(3)
+    again = torch.nn.functional.rrelu(x.to("tpu"), lower, upper, training=True)
+    assert torch.equal(again.cpu(), y.detach().cpu())
+    # In place, and evaluation mode (deterministic: compared with the CPU).
+    z = x.to("tpu")
+    torch.nn.functional.rrelu_(z, lower, upper, training=True)
+    assert torch.equal(z.cpu()[pos], x[pos])
+    compare(lambda x: torch.nn.functional.rrelu(x, lower, upper, training=False), x)

@@ -1718,12 +1718,12 @@ fn prelu_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(gx), Out::T(gw)])
 }
 
-/// rrelu_with_noise in evaluation mode: leaky_relu with the mean slope; `noise` is left
-/// as it was (written back unchanged). Training draws random slopes: CPU fallback.
-fn rrelu_with_noise(c: &mut Ctx) -> LResult<Vec<Out>> {
-    if c.args.bool_or("training", false) {
-        return crate::decline("rrelu_with_noise: training mode draws random slopes");
-    }
+/// rrelu_with_noise's result and the noise it leaves. Evaluation: leaky_relu with the mean
+/// slope, the noise as it was. Training: each element <= 0 is scaled by a slope drawn
+/// uniformly from [lower, upper) (computed in f32, or f64), which the noise records; the
+/// noise is 1 elsewhere. The slopes come from the tpu generator, so they differ from the
+/// CPU's draws as every random op's do.
+fn rrelu(c: &mut Ctx) -> LResult<(Value, Value)> {
     let lower = c.args.opt_scalar("lower").map_or(0.125, |s| s.as_f64());
     let upper = c.args.opt_scalar("upper").map_or(1.0 / 3.0, |s| s.as_f64());
     let x = c.t("self")?;
@@ -1732,12 +1732,48 @@ fn rrelu_with_noise(c: &mut Ctx) -> LResult<Vec<Out>> {
     if !dt.is_float() {
         return unsupported("leaky_relu_cpu", dt);
     }
+    if !c.args.bool_or("training", false) {
+        let b = &mut *c.b;
+        let pos = cmp_k(b, x, 0.0, CmpDir::Gt);
+        let sx = mul_k(b, x, (lower + upper) / 2.0);
+        return Ok((b.select(pos, x, sx), noise));
+    }
+    let shape = c.b.shape(x);
+    if c.b.shape(noise) != shape {
+        // The CPU kernel resizes the noise first.
+        return crate::decline("rrelu_with_noise: noise of another shape");
+    }
+    let cdt = if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let u = super::random::uniform(c, &shape, cdt);
     let b = &mut *c.b;
-    let pos = cmp_k(b, x, 0.0, CmpDir::Gt);
-    let sx = mul_k(b, x, (lower + upper) / 2.0);
-    let r = b.select(pos, x, sx);
+    let r = mul_k(b, u, upper - lower);
+    let lo = b.splat(r, lower);
+    let r = b.add(r, lo);
+    let xc = b.convert(x, cdt);
+    let neg = cmp_k(b, xc, 0.0, CmpDir::Le);
+    let scaled = b.mul(xc, r);
+    let out = b.select(neg, scaled, xc);
+    let one = b.splat(r, 1.0);
+    let nz = b.select(neg, r, one);
+    let ndt = b.dtype(noise);
+    Ok((b.convert(out, dt), b.convert(nz, ndt)))
+}
+
+/// rrelu_with_noise(_): the noise argument is written.
+fn rrelu_with_noise(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let (out, noise) = rrelu(c)?;
     c.write_arg("noise", noise);
-    Ok(vec![Out::T(r)])
+    Ok(vec![Out::T(out)])
+}
+
+/// rrelu_with_noise_functional: the new noise is a second result.
+fn rrelu_with_noise_functional(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let (out, noise) = rrelu(c)?;
+    Ok(vec![Out::T(out), Out::T(noise)])
 }
 
 /// An integer constant of `like`'s type and shape (exact for 64-bit values).
@@ -2199,5 +2235,9 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::glu_backward", glu_backward),
     ("aten::_prelu_kernel", prelu),
     ("aten::rrelu_with_noise", rrelu_with_noise),
+    (
+        "aten::rrelu_with_noise_functional",
+        rrelu_with_noise_functional,
+    ),
     ("aten::_prelu_kernel_backward", prelu_backward),
 ];
