@@ -773,3 +773,44 @@ def test_rrelu_training_draws_slopes_on_the_device(dtype, no_fallback):
     torch.nn.functional.rrelu_(z, lower, upper, training=True)
     assert torch.equal(z.cpu()[pos], x[pos])
     compare(lambda x: torch.nn.functional.rrelu(x, lower, upper, training=False), x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_matrix_sqrth_and_polar_without_fallback(dtype, seed):
+    """matrix_sqrth reads the lower triangle and counts negative eigenvalues as zero; polar
+    gives U orthonormal and H symmetric with U H = A, for tall and batched matrices."""
+    a = torch.randn(3, 5, 5, dtype=dtype)
+    spd = a @ a.mT + torch.eye(5, dtype=dtype)
+    lower_only = spd.tril() + torch.randn(5, 5, dtype=dtype).triu(1)
+    indefinite = torch.tensor([[1.0, 2.0], [2.0, 1.0]], dtype=dtype)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-9, rtol=1e-8)
+    compare(lambda s, lo, ind: (torch.linalg.matrix_sqrth(s), torch.linalg.matrix_sqrth(lo),
+                                torch.linalg.matrix_sqrth(ind),
+                                torch.linalg.matrix_sqrth(s[:0])),
+            spd, lower_only, indefinite, check_fallback=True, **tol)
+    compare(lambda a, t: (*torch.linalg.polar(a), *torch.linalg.polar(t),
+                          *torch.linalg.polar(a[:0])),
+            a, torch.randn(2, 7, 4, dtype=dtype), check_fallback=True, **tol)
+
+
+MATRIX_FN_ERRORS = {
+    "sqrth rank": lambda: torch.linalg.matrix_sqrth(torch.ones(3)),
+    "sqrth square": lambda: torch.linalg.matrix_sqrth(torch.ones(2, 3)),
+    "sqrth long": lambda: torch.linalg.matrix_sqrth(torch.ones(2, 2, dtype=torch.long)),
+    "sqrth half": lambda: torch.linalg.matrix_sqrth(torch.ones(2, 2, dtype=torch.half)),
+    "polar rank": lambda: torch.linalg.polar(torch.ones(3)),
+    "polar wide": lambda: torch.linalg.polar(torch.ones(2, 3)),
+    "polar long": lambda: torch.linalg.polar(torch.ones(2, 2, dtype=torch.long)),
+    "polar half": lambda: torch.linalg.polar(torch.ones(2, 2, dtype=torch.half)),
+}
+
+
+@pytest.mark.parametrize("name", list(MATRIX_FN_ERRORS))
+def test_matrix_sqrth_and_polar_errors_like_cpu(name, fallback_off):
+    fn = MATRIX_FN_ERRORS[name]
+    with pytest.raises((RuntimeError, NotImplementedError)) as cpu:
+        fn()
+    with torch.device("tpu"), pytest.raises((RuntimeError, NotImplementedError)) as tpu:
+        fn()
+    assert type(tpu.value) is type(cpu.value)
+    assert str(tpu.value) == str(cpu.value)

@@ -980,6 +980,59 @@ fn eigh_jacobi(b: &mut Builder, a: Value, lower: bool) -> (Value, Value) {
     (w, gather_cols(b, v, sorted[1]))
 }
 
+/// Eigenvalues (ascending) and eigenvectors of the symmetric matrices in the `lower` (or
+/// upper) triangle of `a` [batch..., n, n], no empty dims: XLA's Eigh, Jacobi for float64.
+fn eigh_values(b: &mut Builder, a: Value, lower: bool) -> (Value, Value) {
+    let dt = b.dtype(a);
+    if dt == DType::F64 {
+        return eigh_jacobi(b, a, lower);
+    }
+    let shape = b.shape(a);
+    let (batch, n, _) = split(&shape);
+    let r = b.custom_call(
+        "Eigh",
+        &[a],
+        // lower, sort, max sweeps, tol (off-diagonal / Frobenius norm)
+        &format!("{},1,100,1e-7", i32::from(lower)),
+        &[
+            TensorType::new(dt, &shape),
+            TensorType::new(dt, &cat(&batch, &[n])),
+        ],
+    );
+    (r[1], r[0])
+}
+
+/// Batched matrix product of [batch..., m, k] and [batch..., k, n].
+fn matmul(b: &mut Builder, x: Value, y: Value) -> Value {
+    let r = b.rank(x);
+    let nb = r - 2;
+    let dt = b.dtype(x);
+    b.dot_general(x, y, (&upto(nb), &upto(nb)), (&[r as i64 - 1], &[nb as i64]), dt)
+}
+
+/// linalg.matrix_sqrth: Q sqrt(L) Q^T from the eigendecomposition of the lower triangle;
+/// negative eigenvalues (A not positive semidefinite) count as zero, as on the CPU.
+fn matrix_sqrth(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "self")?;
+    let op = "linalg.matrix_sqrth";
+    need_square(op, "A", &a.shape)?;
+    need_float(op, a.dtype)?;
+    no_half(op, a.dtype)?;
+    let b = &mut *c.b;
+    if numel(&a.shape) == 0 {
+        return Ok(vec![Out::T(b.full(a.dtype, &a.shape, 0.0))]);
+    }
+    let (w, v) = eigh_values(b, a.value, true);
+    let zero = b.splat(w, 0.0);
+    let w = b.max(w, zero);
+    let s = b.sqrt(w);
+    let r = a.shape.len();
+    let s = along(b, s, &a.shape, r - 1);
+    let vs = b.mul(v, s);
+    let vt = mt(b, v);
+    Ok(vec![Out::T(matmul(b, vs, vt))])
+}
+
 fn eigh(c: &mut Ctx) -> LResult<Vec<Out>> {
     let a = tensor(c, "A")?;
     need_square("linalg.eigh", "A", &a.shape)?;
@@ -1000,20 +1053,8 @@ fn eigh(c: &mut Ctx) -> LResult<Vec<Out>> {
     let b = &mut *c.b;
     let (w, v) = if numel(&a.shape) == 0 {
         (b.full(a.dtype, &cat(&batch, &[n]), 0.0), a.value)
-    } else if a.dtype == DType::F64 {
-        eigh_jacobi(b, a.value, lower)
     } else {
-        let r = b.custom_call(
-            "Eigh",
-            &[a.value],
-            // lower, sort, max sweeps, tol (off-diagonal / Frobenius norm)
-            &format!("{},1,100,1e-7", i32::from(lower)),
-            &[
-                TensorType::new(a.dtype, &a.shape),
-                TensorType::new(a.dtype, &cat(&batch, &[n])),
-            ],
-        );
-        (r[1], r[0])
+        eigh_values(b, a.value, lower)
     };
     let v = if want_v {
         v
@@ -1302,6 +1343,37 @@ fn svd(c: &mut Ctx) -> LResult<Vec<Out>> {
     ])
 }
 
+/// linalg.polar: A = U H with U = W V^T and H = V S V^T from A's thin SVD W S V^T.
+fn polar(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "A")?;
+    let op = "linalg.polar";
+    need_matrix(op, "A", &a.shape)?;
+    let (batch, m, n) = split(&a.shape);
+    if m < n {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("{op}: input must have at least as many rows as columns, but got {m} by {n} matrices"),
+        );
+    }
+    need_float(op, a.dtype)?;
+    need_kernel("linalg_svd_cpu", a.dtype)?;
+    let b = &mut *c.b;
+    if numel(&a.shape) == 0 {
+        let u = b.full(a.dtype, &a.shape, 0.0);
+        let h = b.full(a.dtype, &cat(&batch, &[n, n]), 0.0);
+        return Ok(vec![Out::T(u), Out::T(h)]);
+    }
+    let (Some(w), s, Some(v)) = svd_tall(b, a.value, false, true) else {
+        unreachable!("svd_tall returns U and V when asked")
+    };
+    let vt = mt(b, v);
+    let u = matmul(b, w, vt);
+    let r = a.shape.len();
+    let s = along(b, s, &cat(&batch, &[n, n]), r - 1);
+    let vs = b.mul(v, s);
+    Ok(vec![Out::T(u), Out::T(matmul(b, vs, vt))])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::linalg_lu_factor_ex", lu_factor_ex),
     ("aten::linalg_lu", linalg_lu),
@@ -1316,6 +1388,8 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::linalg_householder_product", householder_product),
     ("aten::_linalg_eigh", eigh),
     ("aten::_linalg_svd", svd),
+    ("aten::linalg_matrix_sqrth", matrix_sqrth),
+    ("aten::linalg_polar", polar),
 ];
 
 #[cfg(test)]
