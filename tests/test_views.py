@@ -814,3 +814,57 @@ def test_matrix_sqrth_and_polar_errors_like_cpu(name, fallback_off):
         fn()
     assert type(tpu.value) is type(cpu.value)
     assert str(tpu.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ormqr_without_fallback(dtype, seed):
+    """Q or Q^T from geqrf's reflectors, on either side, for tall, wide and batched inputs."""
+    tall, wide, bat = (torch.randn(6, 4, dtype=dtype), torch.randn(3, 5, dtype=dtype),
+                       torch.randn(2, 5, 3, dtype=dtype))
+
+    def run(tall, wide, bat):
+        outs = []
+        for a in (tall, wide, bat):
+            qa, tau = torch.geqrf(a)
+            m = a.shape[-2]
+            c_left = torch.ones(*a.shape[:-2], m, 3, dtype=dtype, device=a.device).cumsum(-2)
+            c_right = c_left.mT.contiguous()
+            for tr in (False, True):
+                outs.append(torch.ormqr(qa, tau, c_left, left=True, transpose=tr))
+                outs.append(torch.ormqr(qa, tau, c_right, left=False, transpose=tr))
+        return outs
+
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-10, rtol=1e-9)
+    compare(run, tall, wide, bat, check_fallback=True, **tol)
+
+
+ORMQR_ERRORS = {
+    "input rank": ((5,), (3,), (5, 4), True),
+    "other rank": ((5, 3), (3,), (5,), True),
+    "other rows": ((5, 3), (3,), (4, 4), True),
+    "other cols right": ((5, 3), (3,), (4, 4), False),
+    "tau length": ((5, 3), (2,), (5, 4), True),
+    "tau rank": ((2, 5, 3), (3,), (2, 5, 4), True),
+    "other ndim": ((2, 5, 3), (2, 3), (5, 4), True),
+    "tau batch": ((2, 5, 3), (3, 3), (2, 5, 4), True),
+    "other batch": ((2, 5, 3), (2, 3), (3, 5, 4), True),
+}
+
+
+@pytest.mark.parametrize("name", list(ORMQR_ERRORS) + ["dtype", "long"])
+def test_ormqr_errors_like_cpu(name, fallback_off):
+    if name == "dtype":
+        args = (torch.randn(5, 3), torch.rand(3, dtype=torch.float64), torch.randn(5, 4))
+        kw = {}
+    elif name == "long":
+        args = tuple(torch.ones(s, dtype=torch.long) for s in ((5, 3), (3,), (5, 4)))
+        kw = {}
+    else:
+        a, t, o, left = ORMQR_ERRORS[name]
+        args, kw = (torch.randn(a), torch.rand(t), torch.randn(o)), {"left": left}
+    with pytest.raises((RuntimeError, NotImplementedError)) as cpu:
+        torch.ormqr(*args, **kw)
+    with pytest.raises((RuntimeError, NotImplementedError)) as tpu:
+        torch.ormqr(*(x.to("tpu") for x in args), **kw)
+    assert type(tpu.value) is type(cpu.value)
+    assert str(tpu.value) == str(cpu.value)

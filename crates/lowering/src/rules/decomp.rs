@@ -1007,7 +1007,13 @@ fn matmul(b: &mut Builder, x: Value, y: Value) -> Value {
     let r = b.rank(x);
     let nb = r - 2;
     let dt = b.dtype(x);
-    b.dot_general(x, y, (&upto(nb), &upto(nb)), (&[r as i64 - 1], &[nb as i64]), dt)
+    b.dot_general(
+        x,
+        y,
+        (&upto(nb), &upto(nb)),
+        (&[r as i64 - 1], &[nb as i64]),
+        dt,
+    )
 }
 
 /// linalg.matrix_sqrth: Q sqrt(L) Q^T from the eigendecomposition of the lower triangle;
@@ -1343,6 +1349,81 @@ fn svd(c: &mut Ctx) -> LResult<Vec<Out>> {
     ])
 }
 
+/// ormqr: `other` multiplied by Q (or Q^T), on the left or the right, where Q [m, m] is the
+/// product of the Householder reflectors geqrf left in `self` and `input2` (tau).
+fn ormqr(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "self")?;
+    let tau = tensor(c, "input2")?;
+    let o = tensor(c, "input3")?;
+    let left = c.args.bool_or("left", true);
+    let transpose = c.args.bool_or("transpose", false);
+    let err = |m: String| user_err::<Vec<Out>>(ErrorKind::Runtime, format!("torch.ormqr: {m}"));
+    let (ar, or) = (a.shape.len(), o.shape.len());
+    if ar < 2 {
+        return err("input must have at least 2 dimensions.".into());
+    }
+    if or < 2 {
+        return err("other must have at least 2 dimensions.".into());
+    }
+    let (side, name) = if left { (or - 2, -2) } else { (or - 1, -1) };
+    if o.shape[side] != a.shape[ar - 2] {
+        return err(format!(
+            "other.shape[{name}] must be equal to input.shape[-2]"
+        ));
+    }
+    let Some(k) = tau.shape.last() else {
+        // The CPU raises IndexError from tau.size(-1).
+        return decline("ormqr: 0-d tau");
+    };
+    if *k != o.shape[side].min(a.shape[ar - 1]) {
+        return err(format!(
+            "tau.shape[-1] must be equal to min(other.shape[{name}], input.shape[-1])"
+        ));
+    }
+    if tau.shape.len() != ar - 1 {
+        return err(format!(
+            "Expected tau to have one dimension less than input, but got tau.ndim equal to {} and input.ndim is equal to {ar}",
+            tau.shape.len()
+        ));
+    }
+    if or != ar {
+        return err(format!(
+            "Expected other to have the same number of dimensions as input, but got other.ndim equal to {or} and input.ndim is equal to {ar}"
+        ));
+    }
+    let batch = &a.shape[..ar - 2];
+    for (what, s) in [("tau", &tau.shape[..ar - 2]), ("other", &o.shape[..ar - 2])] {
+        if s != batch {
+            return err(format!(
+                "Expected batch dimensions of {what} to be equal to input.shape[:-2], but got {}",
+                shape_str(s)
+            ));
+        }
+    }
+    for (what, d) in [("tau", tau.dtype), ("other", o.dtype)] {
+        if d != a.dtype {
+            return err(format!(
+                "Expected input and {what} to have the same dtype, but input has dtype{} and {what} has dtype {}",
+                torch_name(a.dtype),
+                torch_name(d)
+            ));
+        }
+    }
+    need_kernel("ormqr_cpu", a.dtype)?;
+    let b = &mut *c.b;
+    if numel(&o.shape) == 0 || a.shape[ar - 2] == 0 {
+        return Ok(vec![Out::T(o.value)]);
+    }
+    let q = complete_q(b, a.value, tau.value);
+    let q = if transpose { mt(b, q) } else { q };
+    let r = if left {
+        matmul(b, q, o.value)
+    } else {
+        matmul(b, o.value, q)
+    };
+    Ok(vec![Out::T(r)])
+}
+
 /// linalg.polar: A = U H with U = W V^T and H = V S V^T from A's thin SVD W S V^T.
 fn polar(c: &mut Ctx) -> LResult<Vec<Out>> {
     let a = tensor(c, "A")?;
@@ -1390,6 +1471,7 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::_linalg_svd", svd),
     ("aten::linalg_matrix_sqrth", matrix_sqrth),
     ("aten::linalg_polar", polar),
+    ("aten::ormqr", ormqr),
 ];
 
 #[cfg(test)]
