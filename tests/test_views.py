@@ -868,3 +868,62 @@ def test_ormqr_errors_like_cpu(name, fallback_off):
         torch.ormqr(*(x.to("tpu") for x in args), **kw)
     assert type(tpu.value) is type(cpu.value)
     assert str(tpu.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("driver", [None, "gels", "gelsy", "gelss", "gelsd"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_lstsq_drivers_without_fallback(driver, dtype, seed):
+    """Every output of each driver: tall, square, wide, batched with a broadcast rhs, a
+    vector rhs, an explicit rcond; rank-deficient inputs get the minimum-norm solution
+    and their rank from gelsy/gelss/gelsd."""
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=1e-9, rtol=1e-9)
+    cases = [
+        (torch.randn(6, 4, dtype=dtype), torch.randn(6, 2, dtype=dtype)),
+        (torch.randn(4, 4, dtype=dtype), torch.randn(4, 3, dtype=dtype)),
+        (torch.randn(3, 5, dtype=dtype), torch.randn(3, 2, dtype=dtype)),
+        (torch.randn(2, 3, 5, 3, dtype=dtype), torch.randn(1, 3, 5, 2, dtype=dtype)),
+        (torch.randn(5, 3, dtype=dtype), torch.randn(5, dtype=dtype)),
+        (torch.randn(2, 5, 3, dtype=dtype), torch.randn(2, 5, dtype=dtype)),
+        (torch.randn(0, 5, 3, dtype=dtype), torch.randn(0, 5, 2, dtype=dtype)),
+    ]
+    if driver not in ("gelss", "gelsd"):  # their m > n residuals need the rank on the host
+        cases.append((torch.randn(5, 0, dtype=dtype), torch.randn(5, 2, dtype=dtype)))
+    if driver != "gels":
+        deficient = torch.randn(3, 5, dtype=dtype)
+        deficient[2] = deficient[0] + deficient[1]
+        cases.append((deficient.mT if driver in ("gelss", "gelsd") else deficient,
+                      torch.randn(3 if driver not in ("gelss", "gelsd") else 5, 2, dtype=dtype)))
+    for a, b in cases:
+        if driver in ("gelss", "gelsd") and a.shape[-2] > a.shape[-1]:
+            continue
+        compare(lambda a, b: tuple(torch.linalg.lstsq(a, b, driver=driver)), a, b,
+                check_fallback=True, **tol)
+    # An rcond that cuts a nonzero singular value: gelsd/gelss truncate the SVD (so does
+    # tpu); gelsy truncates through a pivoted QR and runs on the CPU fallback.
+    a, b = torch.randn(3, 5, dtype=dtype), torch.randn(3, 2, dtype=dtype)
+    compare(lambda a, b: tuple(torch.linalg.lstsq(a, b, rcond=0.3, driver=driver)), a, b,
+            check_fallback=driver in ("gels", "gelss", "gelsd"), **tol)
+
+
+LSTSQ_ERRORS = {
+    "input rank": lambda d: torch.linalg.lstsq(torch.ones(4, device=d), torch.ones(4, device=d)),
+    "other rank": lambda d: torch.linalg.lstsq(torch.ones(4, 3, device=d), torch.tensor(1.0, device=d)),
+    "rows": lambda d: torch.linalg.lstsq(torch.ones(4, 3, device=d), torch.ones(5, 2, device=d)),
+    "dims": lambda d: torch.linalg.lstsq(torch.ones(2, 4, 3, device=d), torch.ones(4, device=d)),
+    "dtype": lambda d: torch.linalg.lstsq(torch.ones(4, 3, device=d),
+                                          torch.ones(4, 2, dtype=torch.float64, device=d)),
+    "long": lambda d: torch.linalg.lstsq(torch.ones(4, 3, dtype=torch.long, device=d),
+                                         torch.ones(4, 2, dtype=torch.long, device=d)),
+    "driver": lambda d: torch.linalg.lstsq(torch.ones(4, 3, device=d), torch.ones(4, 2, device=d),
+                                           driver="foo"),
+}
+
+
+@pytest.mark.parametrize("name", list(LSTSQ_ERRORS))
+def test_lstsq_errors_like_cpu(name, fallback_off):
+    with pytest.raises(RuntimeError) as cpu:
+        LSTSQ_ERRORS[name]("cpu")
+    with pytest.raises(RuntimeError) as tpu:
+        LSTSQ_ERRORS[name]("tpu")
+    assert type(tpu.value) is type(cpu.value)
+    assert str(tpu.value) == str(cpu.value)

@@ -1424,6 +1424,230 @@ fn ormqr(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(r)])
 }
 
+/// linalg.lstsq: the minimum-norm least-squares solution every driver returns for full-rank
+/// inputs (and gelsy/gelss/gelsd for any): through the QR as LAPACK's gels and gelsy do
+/// (gelsy: where the rank is full), else through the SVD, singular values at most `rcond`
+/// times the largest counting as zero (default: epsilon * max(m, n)). Outputs follow the
+/// driver: rank for gelsy/gelss/gelsd, singular values for gelss/gelsd, residuals for
+/// m > n except with gelsy.
+fn lstsq(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = tensor(c, "self")?;
+    let bt = tensor(c, "b")?;
+    let op = "torch.linalg.lstsq";
+    let err = |m: String| user_err::<Vec<Out>>(ErrorKind::Runtime, format!("{op}: {m}"));
+    let ar = a.shape.len();
+    if ar < 2 {
+        return err("input must have at least 2 dimensions.".into());
+    }
+    if bt.shape.is_empty() {
+        return err("other must have at least 1 dimension.".into());
+    }
+    let rank_b = bt.shape.len();
+    if rank_b > ar || ar - rank_b > 1 {
+        return err(
+            "input.dim() must be greater or equal to other.dim() and (input.dim() - other.dim()) <= 1"
+                .into(),
+        );
+    }
+    if a.dtype != bt.dtype {
+        return err(format!(
+            "Expected input and other to have the same dtype, but got input's dtype {} and other's dtype {}",
+            torch_name(a.dtype),
+            torch_name(bt.dtype)
+        ));
+    }
+    let vector = bt.shape[..] == a.shape[..ar - 1];
+    if rank_b == ar - 1 && !vector {
+        // The CPU then broadcasts the rhs in its own way (or fails): its fallback decides.
+        return decline("lstsq: a rhs of one dim less that is not input.shape[:-1]");
+    }
+    let bshape = if vector {
+        cat(&bt.shape, &[1])
+    } else {
+        bt.shape.clone()
+    };
+    let br = bshape.len();
+    if bshape[br - 2] != a.shape[ar - 2] {
+        return err("input.size(-2) should match other.size(-2)".into());
+    }
+    if !matches!(a.dtype, DType::F32 | DType::F64) {
+        return user_err(
+            ErrorKind::Runtime,
+            "This function doesn't handle types other than float and double",
+        );
+    }
+    let driver = c.args.opt_str("driver").unwrap_or("gelsy").to_string();
+    if !["gels", "gelsy", "gelsd", "gelss"].contains(&driver.as_str()) {
+        return err("parameter `driver` should be one of (gels, gelsy, gelsd, gelss)".into());
+    }
+    let (abatch, m, n) = split(&a.shape);
+    let k = bshape[br - 1];
+    let Ok(batch) = broadcast_shapes(&abatch, &bshape[..br - 2]) else {
+        return decline("lstsq: batch dims do not broadcast");
+    };
+    let with_rank = driver != "gels";
+    let with_sv = driver == "gelss" || driver == "gelsd";
+    let with_res = driver != "gelsy" && m > n;
+    if with_sv && with_res && n > 0 {
+        // Residuals exist only where every matrix has full rank: a data-dependent shape.
+        return decline("lstsq: gelss/gelsd residuals depend on the computed rank");
+    }
+    let eps_max = eps(a.dtype) * m.max(n) as f64;
+    let rcond = c
+        .args
+        .opt_float("rcond")
+        .filter(|r| *r >= 0.0)
+        .unwrap_or(eps_max);
+    if driver == "gelsy" && rcond > eps_max {
+        // gelsy truncates through its pivoted QR, not the singular values: the solutions
+        // differ once rcond cuts more than the numerically zero directions.
+        return decline("lstsq: gelsy with an rcond above the default");
+    }
+    let dt = a.dtype;
+    let b = &mut *c.b;
+    let av = b.broadcast_in_dim(
+        a.value,
+        &cat(&batch, &[m, n]),
+        &broadcast_dims(&abatch, &batch, 2),
+    );
+    let bv = b.reshape(bt.value, &bshape);
+    let bv = b.broadcast_in_dim(
+        bv,
+        &cat(&batch, &[m, k]),
+        &broadcast_dims(&bshape[..br - 2], &batch, 2),
+    );
+    let p = m.min(n);
+    let empty_input = numel(&batch) == 0 || m == 0 || n == 0;
+    let (x, rank, sv, qr_res) = if empty_input {
+        (
+            b.full(dt, &cat(&batch, &[n, k]), 0.0),
+            b.full(DType::I64, &batch, 0.0),
+            b.full(dt, &cat(&batch, &[p]), 0.0),
+            None,
+        )
+    } else if driver == "gels" {
+        let (x, res) = lstsq_qr(b, av, bv);
+        (x, b.full(DType::I64, &[0], 0.0), b.full(dt, &[0], 0.0), res)
+    } else {
+        let (xs, rank, s) = lstsq_svd(b, av, bv, rcond);
+        let x = if driver == "gelsy" {
+            // LAPACK's gelsy solves through a (pivoted) QR: so does a full-rank matrix
+            // here, which tracks the CPU more closely than the SVD.
+            let (xq, _) = lstsq_qr(b, av, bv);
+            let full = b.splat(rank, p as f64);
+            let full = b.compare(rank, full, CmpDir::Eq);
+            let full = per_batch(b, full, &cat(&batch, &[n, k]));
+            b.select(full, xq, xs)
+        } else {
+            xs
+        };
+        (x, rank, s, None)
+    };
+    let empty = b.full(dt, &[0], 0.0);
+    let res = match (with_res, qr_res) {
+        (false, _) => empty,
+        // The CPU does not call LAPACK for an empty matrix: zeros.
+        (true, _) if empty_input => b.full(dt, &cat(&batch, &[k]), 0.0),
+        (true, Some(r)) => r,
+        (true, None) => {
+            let ax = matmul(b, av, x);
+            let d = b.sub(ax, bv);
+            let d2 = b.mul(d, d);
+            b.reduce(d2, &[batch.len() as i64], ReduceKind::Sum)
+        }
+    };
+    let x = if vector {
+        b.reshape(x, &cat(&batch, &[n]))
+    } else {
+        x
+    };
+    let rank = if with_rank {
+        rank
+    } else {
+        b.full(DType::I64, &[0], 0.0)
+    };
+    let sv = if with_sv { sv } else { empty };
+    Ok(vec![Out::T(x), Out::T(res), Out::T(rank), Out::T(sv)])
+}
+
+/// Least squares through A's QR, as LAPACK's gels (A of full rank, no empty dims): for
+/// m >= n, X = R^-1 (Q^T B)[:n] and the residuals are the squared norms of (Q^T B)[n:]
+/// (None when m == n); for m < n the minimum-norm X = Q R^-T B from the QR of A^T.
+fn lstsq_qr(b: &mut Builder, a: Value, rhs: Value) -> (Value, Option<Value>) {
+    let shape = b.shape(a);
+    let (_, m, n) = split(&shape);
+    let r = shape.len();
+    if m >= n {
+        let (qa, tau) = geqrf_values(b, a);
+        let q = complete_q(b, qa, tau);
+        let qt = mt(b, q);
+        let qtb = matmul(b, qt, rhs);
+        let top = b.slice_dim(qtb, r - 2, 0, n, 1);
+        let rr = b.slice_dim(qa, r - 2, 0, n, 1);
+        let x = trsm(b, rr, top, false, false, false);
+        let res = (m > n).then(|| {
+            let bot = b.slice_dim(qtb, r - 2, n, m, 1);
+            let sq = b.mul(bot, bot);
+            b.reduce(sq, &[r as i64 - 2], ReduceKind::Sum)
+        });
+        (x, res)
+    } else {
+        let at = mt(b, a);
+        let (qa, tau) = geqrf_values(b, at);
+        let rr = b.slice_dim(qa, r - 2, 0, m, 1);
+        let z = trsm(b, rr, rhs, false, false, true);
+        let q = householder_values(b, qa, tau);
+        (matmul(b, q, z), None)
+    }
+}
+
+/// Least squares through A's SVD (no empty dims): X = R S+ L^T B for A = L S R^T, singular
+/// values at most `rcond` times the largest counting as zero; also the rank (i64
+/// [batch...]) and the singular values.
+fn lstsq_svd(b: &mut Builder, a: Value, rhs: Value, rcond: f64) -> (Value, Value, Value) {
+    let shape = b.shape(a);
+    let (batch, m, n) = split(&shape);
+    let k = b.shape(rhs)[shape.len() - 1];
+    let p = m.min(n);
+    let (l, s, r) = if m >= n {
+        let (Some(u), s, Some(v)) = svd_tall(b, a, false, true) else {
+            unreachable!("svd_tall returns U and V when asked")
+        };
+        (u, s, v)
+    } else {
+        let at = mt(b, a);
+        let (Some(u), s, Some(v)) = svd_tall(b, at, false, true) else {
+            unreachable!("svd_tall returns U and V when asked")
+        };
+        (v, s, u)
+    };
+    let nb = batch.len();
+    let smax = b.reduce(s, &[nb as i64], ReduceKind::Max);
+    let sshape = b.shape(s);
+    let smax = per_batch(b, smax, &sshape);
+    let cut = b.splat(smax, rcond);
+    let cut = b.mul(smax, cut);
+    let keep = b.compare(s, cut, CmpDir::Gt);
+    let one = b.splat(s, 1.0);
+    let inv = b.div(one, s);
+    let zero = b.splat(s, 0.0);
+    let inv = b.select(keep, inv, zero);
+    let rank = b.convert(keep, DType::I64);
+    let rank = b.reduce(rank, &[nb as i64], ReduceKind::Sum);
+    let lt = mt(b, l);
+    let ltb = matmul(b, lt, rhs);
+    let inv = along(b, inv, &cat(&batch, &[p, k]), nb);
+    let y = b.mul(ltb, inv);
+    (matmul(b, r, y), rank, s)
+}
+
+/// Dims of `from` [batch..., tail] inside [to..., tail] (`tail` trailing dims), for
+/// broadcast_in_dim.
+fn broadcast_dims(from: &[i64], to: &[i64], tail: usize) -> Vec<i64> {
+    let off = to.len() - from.len();
+    (0..from.len() + tail).map(|i| (i + off) as i64).collect()
+}
+
 /// linalg.polar: A = U H with U = W V^T and H = V S V^T from A's thin SVD W S V^T.
 fn polar(c: &mut Ctx) -> LResult<Vec<Out>> {
     let a = tensor(c, "A")?;
@@ -1472,6 +1696,7 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::linalg_matrix_sqrth", matrix_sqrth),
     ("aten::linalg_polar", polar),
     ("aten::ormqr", ormqr),
+    ("aten::linalg_lstsq", lstsq),
 ];
 
 #[cfg(test)]
