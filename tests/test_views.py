@@ -927,3 +927,38 @@ def test_lstsq_errors_like_cpu(name, fallback_off):
         LSTSQ_ERRORS[name]("tpu")
     assert type(tpu.value) is type(cpu.value)
     assert str(tpu.value) == str(cpu.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_unique_along_a_dim_without_fallback(dtype, seed):
+    """unique(dim=) and unique_consecutive(dim=): whole slices compared, on the host."""
+    x = torch.randint(0, 2, (7, 3, 2)).to(dtype)
+    x[4] = x[1]
+    f = torch.tensor([[1.0, float("nan")], [1.0, float("nan")], [0.0, 2.0], [-0.0, 2.0]])
+
+    def run(x, f):
+        outs = []
+        for d in (0, 1, -1):
+            outs += [*torch.unique(x, dim=d, return_inverse=True, return_counts=True),
+                     *torch.unique_consecutive(x, dim=d, return_inverse=True,
+                                               return_counts=True),
+                     torch.unique(x, dim=d, sorted=False)]
+        outs += [*torch.unique(f, dim=0, return_counts=True), torch.unique(x[:0], dim=0)]
+        return outs
+
+    compare(run, x, f, check_fallback=True)
+
+
+@pytest.mark.parametrize("case", ["scalar", "range", "two empty dims", "empty other dim"])
+def test_unique_along_a_dim_errors_like_cpu(case, fallback_off):
+    make = {"scalar": lambda d: (torch.tensor(3.0, device=d), 0),
+            "range": lambda d: (torch.ones(2, 3, device=d), 2),
+            "two empty dims": lambda d: (torch.ones(0, 0, device=d), 0),
+            "empty other dim": lambda d: (torch.ones(3, 0, device=d), 0)}[case]
+    errors = []
+    for dev in ("cpu", "tpu"):
+        x, dim = make(dev)
+        with pytest.raises((RuntimeError, IndexError)) as e:
+            torch.unique(x, dim=dim)
+        errors.append((type(e.value), str(e.value)))
+    assert errors[0] == errors[1]

@@ -24,14 +24,11 @@ pub fn find(op: &str, params: &[Param]) -> Option<HostOp> {
         "aten::_unique" | "aten::_unique2" => Some(unique_sorted),
         "aten::repeat_interleave" => Some(repeat_interleave),
         "aten::bincount" => Some(bincount),
-        // Along a dim it runs on the CPU fallback.
-        "aten::unique_consecutive"
-            if params
-                .iter()
-                .all(|p| p.name != "dim" || matches!(p.arg, RArg::None)) =>
-        {
+        "aten::unique_consecutive" if int_param(params, "dim").is_none() => {
             Some(unique_consecutive)
         }
+        "aten::unique_consecutive" | "aten::unique_dim_consecutive" => Some(unique_dim_consecutive),
+        "aten::unique_dim" => Some(unique_dim_sorted),
         _ => None,
     }
 }
@@ -386,6 +383,145 @@ fn unique(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
         });
     }
     Ok(rets)
+}
+
+/// `unique(dim=)`: the distinct slices along `dim`, sorted (whatever `sorted` says, as on
+/// the CPU).
+fn unique_dim_sorted(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    unique_dim(rt, params, true)
+}
+
+/// `unique_consecutive(dim=)`: runs of equal adjacent slices along `dim` become one.
+fn unique_dim_consecutive(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    unique_dim(rt, params, false)
+}
+
+/// Slices along `dim` compared whole, computed on the host: (values, inverse indices over
+/// the dim, counts), inverse and counts always filled as the CPU kernel does. Sorting is
+/// lexicographic with NaNs last; equal means every element `==`, so a slice holding a NaN
+/// is its own group.
+fn unique_dim(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
+    let t = tensor(params, "self")?;
+    let dtype = t
+        .dtype
+        .ok_or_else(|| Error::runtime("unique: unsupported dtype"))?;
+    let sizes = t.view.sizes.clone();
+    let r = sizes.len() as i64;
+    let d = int_param(params, "dim").unwrap_or(0);
+    if r == 0 {
+        return Err(Error::new(
+            crate::ErrorKind::Index,
+            format!("Dimension specified as {d} but tensor has no dimensions"),
+        ));
+    }
+    if d < -r || d >= r {
+        return Err(Error::new(
+            crate::ErrorKind::Index,
+            format!(
+                "Dimension out of range (expected to be in range of [{}, {}], but got {d})",
+                -r,
+                r - 1
+            ),
+        ));
+    }
+    let dim = d.rem_euclid(r) as usize;
+    let empty_dims = sizes.iter().filter(|s| **s == 0).count();
+    if empty_dims > 1 {
+        return Err(Error::runtime(
+            "Number of zero sized dimensions is more than one, so unique cannot be applied ",
+        ));
+    }
+    if empty_dims == 1 && sizes[dim] != 0 {
+        return Err(Error::runtime(
+            "There are 0 sized dimensions, and they aren't selected, so unique cannot be applied",
+        ));
+    }
+    let k = dtype.size();
+    let bytes = host_bytes(rt, t, &sizes, dtype)?;
+    let n = sizes[dim] as usize;
+    let inner: usize = sizes[dim + 1..].iter().product::<i64>() as usize;
+    let outer: usize = sizes[..dim].iter().product::<i64>() as usize;
+    // Slice i's elements (row-major over the other dims) as scalars and raw bytes.
+    let elem = |i: usize, j: usize| (j / inner) * n * inner + i * inner + j % inner;
+    let per = outer * inner;
+    let vals: Vec<Vec<crate::host::Scalar>> = (0..n)
+        .map(|i| {
+            (0..per)
+                .map(|j| {
+                    let e = elem(i, j);
+                    crate::host::scalar(&bytes[e * k..(e + 1) * k], dtype)
+                })
+                .collect()
+        })
+        .collect();
+    use crate::host::Scalar::{Float, Int};
+    use std::cmp::Ordering;
+    let cmp = |a: &crate::host::Scalar, b: &crate::host::Scalar| match (a, b) {
+        (Float(x), Float(y)) => match (x.is_nan(), y.is_nan()) {
+            (true, true) => Ordering::Equal,
+            (true, false) => Ordering::Greater,
+            (false, true) => Ordering::Less,
+            _ => x.partial_cmp(y).unwrap_or(Ordering::Equal),
+        },
+        (Int(x), Int(y)) => x.cmp(y),
+        _ => Ordering::Equal,
+    };
+    let same = |a: &[crate::host::Scalar], b: &[crate::host::Scalar]| {
+        a.iter().zip(b).all(|(x, y)| match (x, y) {
+            (Float(x), Float(y)) => x == y,
+            (Int(x), Int(y)) => x == y,
+            _ => false,
+        })
+    };
+    let mut order: Vec<usize> = (0..n).collect();
+    if sort {
+        order.sort_by(|a, b| {
+            vals[*a]
+                .iter()
+                .zip(&vals[*b])
+                .map(|(x, y)| cmp(x, y))
+                .find(|o| *o != Ordering::Equal)
+                .unwrap_or(Ordering::Equal)
+        });
+    }
+    let mut firsts: Vec<usize> = Vec::new();
+    let mut inverse = vec![0i64; n];
+    let mut counts: Vec<i64> = Vec::new();
+    for (pos, i) in order.iter().enumerate() {
+        if pos == 0 || !same(&vals[order[pos - 1]], &vals[*i]) {
+            firsts.push(*i);
+            counts.push(0);
+        }
+        *counts.last_mut().expect("a group was started") += 1;
+        inverse[*i] = counts.len() as i64 - 1;
+    }
+    let u = firsts.len();
+    let mut osizes = sizes.clone();
+    osizes[dim] = u as i64;
+    let mut out = vec![0u8; u * per * k];
+    for (g, i) in firsts.iter().enumerate() {
+        for j in 0..per {
+            let (src, dst) = (elem(*i, j), (j / inner) * u * inner + g * inner + j % inner);
+            out[dst * k..(dst + 1) * k].copy_from_slice(&bytes[src * k..(src + 1) * k]);
+        }
+    }
+    Ok(vec![
+        new_tensor(rt, &out, dtype, osizes, t.device)?,
+        new_tensor(
+            rt,
+            &i64_bytes(&inverse),
+            DType::I64,
+            vec![n as i64],
+            t.device,
+        )?,
+        new_tensor(
+            rt,
+            &i64_bytes(&counts),
+            DType::I64,
+            vec![u as i64],
+            t.device,
+        )?,
+    ])
 }
 
 /// The ops whose `indices` may hold boolean masks.
