@@ -962,3 +962,70 @@ def test_unique_along_a_dim_errors_like_cpu(case, fallback_off):
             torch.unique(x, dim=dim)
         errors.append((type(e.value), str(e.value)))
     assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_histogramdd_without_fallback(dtype, seed):
+    """Equal-width bins over the data's range or a given one, given edges, weights,
+    density, a constant column (its range widens by 0.5), rows outside the range or
+    holding NaN (skipped), no rows."""
+    x = torch.randn(50, 3, dtype=dtype)
+    x[:, 2] = 1.5
+    x[7, 0] = float("nan")
+    w = torch.rand(50, dtype=dtype)
+    edges = [torch.tensor([-2.0, -0.5, 0.0, 3.0], dtype=dtype),
+             torch.linspace(-1, 1, 6, dtype=dtype), torch.tensor([1.0, 2.0], dtype=dtype)]
+    y = torch.randn(5, 4, 2, dtype=dtype)
+
+    def run(x, w, e0, e1, e2, y):
+        outs = []
+        for kw in ({"bins": [4, 3, 2], "range": [-1.0, 1.0, -2.0, 2.0, 0.0, 3.0]},
+                   {"bins": [4, 3, 2], "range": [-1.0, 1.0, -2.0, 2.0, 0.0, 3.0],
+                    "weight": w, "density": True},
+                   {"bins": [e0, e1, e2], "weight": w}, {"bins": [e0, e1, e2], "density": True}):
+            h, bins = torch.histogramdd(x, **kw)
+            outs += [h, *bins]
+        xf = torch.nan_to_num(x)  # the data's own range needs finite data
+        outs += [*torch.histogramdd(xf, bins=[3, 5, 2])[0:1], *torch.histogramdd(xf, bins=4)[1]]
+        outs += [torch.histogramdd(y, bins=[3, 2], density=True)[0],
+                 torch.histogramdd(y[:0], bins=[3, 2])[0]]
+        return outs
+
+    compare(run, x, w, *edges, y, check_fallback=True, atol=1e-5, rtol=1e-5)
+
+
+HISTOGRAMDD_ERRORS = {
+    "rank": lambda d: torch.histogramdd(torch.ones(4, device=d), bins=[2]),
+    "range length": lambda d: torch.histogramdd(torch.ones(4, 2, device=d), bins=[2, 2],
+                                                range=[0.0, 1.0]),
+    "range not finite": lambda d: torch.histogramdd(torch.ones(4, 2, device=d), bins=[2, 2],
+                                                    range=[0.0, 1.0, 0.0, float("inf")]),
+    "min above max": lambda d: torch.histogramdd(torch.ones(4, 2, device=d), bins=[2, 2],
+                                                 range=[0.0, 1.0, 2.5, 1e-7]),
+    "edge count": lambda d: torch.histogramdd(torch.ones(4, 2, device=d),
+                                              bins=[torch.ones(3, device=d)]),
+    "edge dims": lambda d: torch.histogramdd(torch.ones(4, 1, device=d),
+                                             bins=[torch.ones(3, 1, device=d)]),
+    "no edges": lambda d: torch.histogramdd(torch.ones(4, 1, device=d),
+                                            bins=[torch.ones(0, device=d)]),
+}
+
+
+@pytest.mark.parametrize("name", list(HISTOGRAMDD_ERRORS))
+def test_histogramdd_errors_like_cpu(name, fallback_off):
+    with pytest.raises(RuntimeError) as cpu:
+        HISTOGRAMDD_ERRORS[name]("cpu")
+    with pytest.raises(RuntimeError) as tpu:
+        HISTOGRAMDD_ERRORS[name]("tpu")
+    assert str(tpu.value) == str(cpu.value)
+
+
+def test_histogramdd_of_non_finite_data_raises():
+    """Bins taken from the data's range need finite data: the CPU raises at once, tpu at the
+    next read (the check runs on the device), naming the first such dimension."""
+    x = torch.ones(6, 3)
+    x[2, 1] = float("inf")
+    with pytest.raises(RuntimeError, match="dimension 1's range"):
+        torch.histogramdd(x, bins=2)
+    with pytest.raises(RuntimeError, match="dimension 1's range is not finite"):
+        torch.histogramdd(x.to("tpu"), bins=2)[0].cpu()

@@ -1579,6 +1579,290 @@ fn histc(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.reduce(hit, &[0], ReduceKind::Sum))])
 }
 
+/// A double as C++ streams print it in PyTorch's messages (`%g`: six significant digits).
+fn cpp_double(v: f64) -> String {
+    if v.is_nan() {
+        return "nan".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "inf" } else { "-inf" }.into();
+    }
+    if v == 0.0 {
+        return if v.is_sign_negative() { "-0" } else { "0" }.into();
+    }
+    let sci = format!("{v:.5e}");
+    let (mant, exp) = sci.split_once('e').expect("exponent");
+    let exp: i32 = exp.parse().expect("exponent digits");
+    let trim = |s: &str| {
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            s.to_string()
+        }
+    };
+    if !(-4..6).contains(&exp) {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{}e{sign}{:02}", trim(mant), exp.abs())
+    } else {
+        trim(&format!("{v:.*}", (5 - exp) as usize))
+    }
+}
+
+/// histogramdd's input [..., N] as [M, N] rows, and N.
+fn histdd_rows(c: &Ctx, t: &TensorArg, with_count: bool) -> LResult<(i64, i64)> {
+    let r = t.shape.len();
+    if r < 2 {
+        let got = if with_count {
+            format!(", but got {r}")
+        } else {
+            String::new()
+        };
+        return user_err(
+            ErrorKind::Runtime,
+            format!("torch.histogramdd: input tensor should have at least 2 dimensions{got}"),
+        );
+    }
+    if !matches!(t.dtype, DType::F32 | DType::F64) {
+        // The CPU raises its own "not implemented" (half types count in their own dtype).
+        return decline(format!("histogramdd of {}", torch_name(t.dtype)));
+    }
+    if let Some(w) = c.args.opt_tensor("weight") {
+        let want = &t.shape[..r - 1];
+        let ok_shape = w.shape[..] == *want || (w.shape.is_empty() && want == [1]);
+        if w.dtype != t.dtype || !ok_shape {
+            return decline("histogramdd: weight of another dtype or shape");
+        }
+    }
+    Ok((numel(&t.shape[..r - 1]), t.shape[r - 1]))
+}
+
+/// The equal-width bin edges of histogramdd's every dim: `range`, else each column's data
+/// range (0..1 when there are no rows), widened by 0.5 each way when empty. A column with an
+/// infinity or NaN raises at the next synchronization, as the CPU raises at once.
+fn histdd_linear_edges(c: &mut Ctx, x: Value, m: i64, n: i64) -> LResult<Vec<Value>> {
+    let bins = c.args.ints("bins")?;
+    if bins.len() as i64 != n || bins.iter().any(|b| *b < 1) {
+        // bins <= 0: the CPU's linspace or bin check words it.
+        return decline("histogramdd: bins per dim");
+    }
+    let dt = c.b.dtype(x);
+    let range = if c.args.has("range") {
+        Some(c.args.floats("range")?)
+    } else {
+        None
+    };
+    let mut edges = Vec::new();
+    if let Some(r) = &range {
+        if r.len() as i64 != 2 * n {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "torch.histogramdd: for a {n}-dimensional histogram range should have {} elements, but got {}",
+                    2 * n,
+                    r.len()
+                ),
+            );
+        }
+        for d in 0..n as usize {
+            let (mut l, mut h) = (r[2 * d], r[2 * d + 1]);
+            if !(l.is_finite() && h.is_finite()) {
+                return user_err(
+                    ErrorKind::Runtime,
+                    format!(
+                        "torch.histogramdd: dimension {d}'s range [{}, {}] is not finite",
+                        cpp_double(l),
+                        cpp_double(h)
+                    ),
+                );
+            }
+            if l > h {
+                return user_err(
+                    ErrorKind::Runtime,
+                    format!(
+                        "torch.histogramdd: min should not exceed max, but got min {} max {} for dimension {d}",
+                        cpp_double(l),
+                        cpp_double(h)
+                    ),
+                );
+            }
+            if l == h {
+                l -= 0.5;
+                h += 0.5;
+            }
+            let (lo, hi) = (c.b.constant(dt, l), c.b.constant(dt, h));
+            edges.push(linspace_values(c.b, lo, hi, bins[d] + 1));
+        }
+        return Ok(edges);
+    }
+    if m == 0 {
+        for bn in &bins {
+            let (lo, hi) = (c.b.constant(dt, 0.0), c.b.constant(dt, 1.0));
+            edges.push(linspace_values(c.b, lo, hi, bn + 1));
+        }
+        return Ok(edges);
+    }
+    let b = &mut *c.b;
+    let mn = b.reduce(x, &[0], ReduceKind::Min);
+    let mx = b.reduce(x, &[0], ReduceKind::Max);
+    // The first dim whose data range is not finite, else n.
+    // v - v is 0 for a finite v, NaN for an infinity or NaN.
+    let fin = |b: &mut Builder, v: Value| {
+        let z = b.sub(v, v);
+        b.compare(z, z, CmpDir::Eq)
+    };
+    let (f0, f1) = (fin(b, mn), fin(b, mx));
+    let finite = b.and(f0, f1);
+    let ids = b.iota(DType::I64, &[n], 0);
+    let none = b.full(DType::I64, &[n], n as f64);
+    let bad = b.select(finite, none, ids);
+    let first = b.reduce(bad, &[0], ReduceKind::Min);
+    for (d, bn) in bins.iter().enumerate() {
+        let lo = b.slice(mn, &[d as i64], &[d as i64 + 1], &[1]);
+        let lo = b.reshape(lo, &[]);
+        let hi = b.slice(mx, &[d as i64], &[d as i64 + 1], &[1]);
+        let hi = b.reshape(hi, &[]);
+        let same = b.compare(lo, hi, CmpDir::Eq);
+        let half = b.splat(lo, 0.5);
+        let lo1 = b.sub(lo, half);
+        let hi1 = b.add(hi, half);
+        let lo = b.select(same, lo1, lo);
+        let hi = b.select(same, hi1, hi);
+        edges.push(linspace_values(b, lo, hi, bn + 1));
+    }
+    c.check_range(
+        first,
+        n,
+        n + 1,
+        ErrorKind::Runtime,
+        "torch.histogramdd: dimension {index}'s range is not finite (the input holds an infinity or a NaN)".into(),
+    );
+    Ok(edges)
+}
+
+/// histogramdd's counts (or weights) over rows `x` [M, N] and each dim's increasing
+/// `edges`: a row lands in the last edge not above each coordinate, the last edge closing
+/// the last bin; a row with a coordinate outside its edges (or NaN) is skipped. Summed in
+/// the input dtype's opmath (exact counts); `density` divides by the total and each bin's
+/// volume.
+fn histdd_count(c: &mut Ctx, x: Value, m: i64, edges: &[Value], dt: DType) -> Value {
+    let weight = c.args.opt_tensor("weight").map(|w| w.value);
+    let density = c.args.bool_or("density", false);
+    let b = &mut *c.b;
+    let nbs: Vec<i64> = edges.iter().map(|e| b.shape(*e)[0] - 1).collect();
+    let total: i64 = nbs.iter().product();
+    if total == 0 || m == 0 {
+        return b.full(dt, &nbs, 0.0);
+    }
+    let mut flat = b.full(DType::I64, &[m], 0.0);
+    let mut inside = b.full(DType::Bool, &[m], 1.0);
+    let mut stride = total;
+    for (d, (e, nb)) in edges.iter().zip(&nbs).enumerate() {
+        stride /= nb;
+        let col = b.slice(x, &[0, d as i64], &[m, d as i64 + 1], &[1, 1]);
+        let col = b.reshape(col, &[m]);
+        let after = count_before(b, *e, col, true, DType::I64);
+        let one = b.full(DType::I64, &[m], 1.0);
+        let pos = b.sub(after, one);
+        let last = b.full(DType::I64, &[m], (nb - 1) as f64);
+        let pos = b.min(pos, last);
+        let e0 = b.slice(*e, &[0], &[1], &[1]);
+        let e0 = b.broadcast_in_dim(e0, &[m], &[0]);
+        let e1 = b.slice(*e, &[*nb], &[nb + 1], &[1]);
+        let e1 = b.broadcast_in_dim(e1, &[m], &[0]);
+        let ge = b.compare(col, e0, CmpDir::Ge);
+        let le = b.compare(col, e1, CmpDir::Le);
+        inside = b.and(inside, ge);
+        inside = b.and(inside, le);
+        let st = b.full(DType::I64, &[m], stride as f64);
+        let p = b.mul(pos, st);
+        flat = b.add(flat, p);
+    }
+    let w = match weight {
+        Some(w) => b.reshape(w, &[m]),
+        None => b.full(dt, &[m], 1.0),
+    };
+    let zero = b.splat(w, 0.0);
+    let w = b.select(inside, w, zero);
+    let z = b.splat(flat, 0.0);
+    let flat = b.select(inside, flat, z);
+    let idx = b.reshape(flat, &[m, 1]);
+    let hist = b.full(dt, &[total], 0.0);
+    let hist = b.scatter(hist, idx, w, &[], &[0], &[0], 1, |b, a, u| b.add(a, u));
+    let mut hist = b.reshape(hist, &nbs);
+    if density {
+        let all: Vec<i64> = (0..nbs.len() as i64).collect();
+        let sum = b.reduce(hist, &all, ReduceKind::Sum);
+        let sum = b.broadcast_in_dim(sum, &nbs, &[]);
+        hist = b.div(hist, sum);
+        for (d, (e, nb)) in edges.iter().zip(&nbs).enumerate() {
+            let hi = b.slice(*e, &[1], &[nb + 1], &[1]);
+            let lo = b.slice(*e, &[0], &[*nb], &[1]);
+            let width = b.sub(hi, lo);
+            let width = b.broadcast_in_dim(width, &nbs, &[d as i64]);
+            hist = b.div(hist, width);
+        }
+    }
+    hist
+}
+
+/// `_histogramdd_bin_edges`: each dim's equal-width edges.
+fn histogramdd_bin_edges(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = input(c)?;
+    let (m, n) = histdd_rows(c, &t, false)?;
+    let x = c.b.reshape(t.value, &[m, n]);
+    Ok(vec![Out::List(histdd_linear_edges(c, x, m, n)?)])
+}
+
+/// `_histogramdd_from_bin_cts`: the histogram over equal-width bins.
+fn histogramdd_from_bin_cts(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = input(c)?;
+    let (m, n) = histdd_rows(c, &t, false)?;
+    let x = c.b.reshape(t.value, &[m, n]);
+    let edges = histdd_linear_edges(c, x, m, n)?;
+    Ok(vec![Out::T(histdd_count(c, x, m, &edges, t.dtype))])
+}
+
+/// `_histogramdd_from_bin_tensors`: the histogram over given edges.
+fn histogramdd_from_bin_tensors(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = input(c)?;
+    let (m, n) = histdd_rows(c, &t, true)?;
+    let bins: Vec<TensorArg> = c.args.tensors("bins")?.into_iter().cloned().collect();
+    if bins.len() as i64 != n {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "torch.histogramdd: expected {n} sequences of bin edges for a {n}-dimensional histogram but got {}",
+                bins.len()
+            ),
+        );
+    }
+    for (d, e) in bins.iter().enumerate() {
+        if e.dtype != t.dtype {
+            return decline("histogramdd: bin edges of another dtype");
+        }
+        if e.shape.len() != 1 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "torch.histogramdd: bins tensor should have one dimension, but got {} dimensions in the bins tensor for dimension {d}",
+                    e.shape.len()
+                ),
+            );
+        }
+        if e.shape[0] == 0 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "torch.histogramdd: bins tensor should have at least 1 element, but got 0 elements in the bins tensor for dimension {d}"
+                ),
+            );
+        }
+    }
+    let x = c.b.reshape(t.value, &[m, n]);
+    let edges: Vec<Value> = bins.iter().map(|e| e.value).collect();
+    Ok(vec![Out::T(histdd_count(c, x, m, &edges, t.dtype))])
+}
+
 /// An operand of `isin`: a tensor or a Python number, as a promotion operand.
 fn isin_operand(c: &Ctx, names: [&str; 2]) -> LResult<(Operand, Option<TensorArg>, Scalar)> {
     for n in names {
@@ -1964,6 +2248,12 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::vdot", vdot),
     ("aten::histc", histc),
     ("aten::histogram", histogram),
+    ("aten::_histogramdd_bin_edges", histogramdd_bin_edges),
+    ("aten::_histogramdd_from_bin_cts", histogramdd_from_bin_cts),
+    (
+        "aten::_histogramdd_from_bin_tensors",
+        histogramdd_from_bin_tensors,
+    ),
     ("aten::isin", isin),
     ("aten::count_nonzero", count_nonzero),
     ("aten::aminmax", aminmax),
