@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use crate::copy::copy;
 use crate::exec::{dispatch, Loc, Outcome, Param, RArg, Ret, TensorRef};
+use crate::host::Scalar;
 use crate::layout::View;
 use crate::storage::Storage;
 use crate::{Error, Result, Runtime};
@@ -311,6 +312,30 @@ fn flag(params: &[Param], name: &str) -> bool {
         .any(|p| p.name == name && matches!(p.arg, RArg::Bool(true)))
 }
 
+/// unique's sort order: NaNs last (equal among themselves), numbers by value.
+fn host_order(a: &Scalar, b: &Scalar) -> std::cmp::Ordering {
+    use std::cmp::Ordering;
+    match (a, b) {
+        (Scalar::Float(x), Scalar::Float(y)) => match (x.is_nan(), y.is_nan()) {
+            (true, true) => Ordering::Equal,
+            (true, false) => Ordering::Greater,
+            (false, true) => Ordering::Less,
+            _ => x.partial_cmp(y).unwrap_or(Ordering::Equal),
+        },
+        (Scalar::Int(x), Scalar::Int(y)) => x.cmp(y),
+        _ => Ordering::Equal,
+    }
+}
+
+/// unique's grouping: `==`, so every NaN is a value of its own.
+fn host_same(a: &Scalar, b: &Scalar) -> bool {
+    match (a, b) {
+        (Scalar::Float(x), Scalar::Float(y)) => x == y,
+        (Scalar::Int(x), Scalar::Int(y)) => x == y,
+        _ => false,
+    }
+}
+
 /// `torch.unique`: sorted whatever `sorted` says (as on the CPU), NaNs last and each its own
 /// value, -0.0 and 0.0 one value (the first in a stable sort).
 fn unique_sorted(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
@@ -332,36 +357,19 @@ fn unique(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
     let sizes = t.view.sizes.clone();
     let bytes = host_bytes(rt, t, &sizes, dtype)?;
     let k = dtype.size();
-    let vals: Vec<crate::host::Scalar> = bytes
+    let vals: Vec<Scalar> = bytes
         .chunks(k)
         .map(|b| crate::host::scalar(b, dtype))
         .collect();
-    use crate::host::Scalar::{Float, Int};
-    let order_of = |a: &crate::host::Scalar, b: &crate::host::Scalar| match (a, b) {
-        (Float(x), Float(y)) => match (x.is_nan(), y.is_nan()) {
-            (true, true) => std::cmp::Ordering::Equal,
-            (true, false) => std::cmp::Ordering::Greater,
-            (false, true) => std::cmp::Ordering::Less,
-            _ => x.partial_cmp(y).unwrap_or(std::cmp::Ordering::Equal),
-        },
-        (Int(x), Int(y)) => x.cmp(y),
-        _ => std::cmp::Ordering::Equal,
-    };
-    // NaN != NaN: every NaN starts a group of its own.
-    let same = |a: &crate::host::Scalar, b: &crate::host::Scalar| match (a, b) {
-        (Float(x), Float(y)) => x == y,
-        (Int(x), Int(y)) => x == y,
-        _ => false,
-    };
     let mut order: Vec<usize> = (0..vals.len()).collect();
     if sort {
-        order.sort_by(|a, b| order_of(&vals[*a], &vals[*b]));
+        order.sort_by(|a, b| host_order(&vals[*a], &vals[*b]));
     }
     let mut out = Vec::new();
     let mut inverse = vec![0i64; vals.len()];
     let mut counts: Vec<i64> = Vec::new();
     for (pos, i) in order.iter().enumerate() {
-        if pos == 0 || !same(&vals[order[pos - 1]], &vals[*i]) {
+        if pos == 0 || !host_same(&vals[order[pos - 1]], &vals[*i]) {
             out.extend_from_slice(&bytes[i * k..(i + 1) * k]);
             counts.push(0);
         }
@@ -444,7 +452,7 @@ fn unique_dim(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
     // Slice i's elements (row-major over the other dims) as scalars and raw bytes.
     let elem = |i: usize, j: usize| (j / inner) * n * inner + i * inner + j % inner;
     let per = outer * inner;
-    let vals: Vec<Vec<crate::host::Scalar>> = (0..n)
+    let vals: Vec<Vec<Scalar>> = (0..n)
         .map(|i| {
             (0..per)
                 .map(|j| {
@@ -454,41 +462,23 @@ fn unique_dim(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
                 .collect()
         })
         .collect();
-    use crate::host::Scalar::{Float, Int};
-    use std::cmp::Ordering;
-    let cmp = |a: &crate::host::Scalar, b: &crate::host::Scalar| match (a, b) {
-        (Float(x), Float(y)) => match (x.is_nan(), y.is_nan()) {
-            (true, true) => Ordering::Equal,
-            (true, false) => Ordering::Greater,
-            (false, true) => Ordering::Less,
-            _ => x.partial_cmp(y).unwrap_or(Ordering::Equal),
-        },
-        (Int(x), Int(y)) => x.cmp(y),
-        _ => Ordering::Equal,
-    };
-    let same = |a: &[crate::host::Scalar], b: &[crate::host::Scalar]| {
-        a.iter().zip(b).all(|(x, y)| match (x, y) {
-            (Float(x), Float(y)) => x == y,
-            (Int(x), Int(y)) => x == y,
-            _ => false,
-        })
-    };
     let mut order: Vec<usize> = (0..n).collect();
     if sort {
         order.sort_by(|a, b| {
             vals[*a]
                 .iter()
                 .zip(&vals[*b])
-                .map(|(x, y)| cmp(x, y))
-                .find(|o| *o != Ordering::Equal)
-                .unwrap_or(Ordering::Equal)
+                .map(|(x, y)| host_order(x, y))
+                .find(|o| o.is_ne())
+                .unwrap_or(std::cmp::Ordering::Equal)
         });
     }
+    let equal = |a: &[Scalar], b: &[Scalar]| a.iter().zip(b).all(|(x, y)| host_same(x, y));
     let mut firsts: Vec<usize> = Vec::new();
     let mut inverse = vec![0i64; n];
     let mut counts: Vec<i64> = Vec::new();
     for (pos, i) in order.iter().enumerate() {
-        if pos == 0 || !same(&vals[order[pos - 1]], &vals[*i]) {
+        if pos == 0 || !equal(&vals[order[pos - 1]], &vals[*i]) {
             firsts.push(*i);
             counts.push(0);
         }

@@ -117,7 +117,7 @@ pub fn normal(c: &mut Ctx, shape: &[i64], dtype: DType) -> Value {
 }
 
 /// A number as C++ streams print a double (`%g`), for PyTorch's messages.
-fn fmt_num(v: f64) -> String {
+pub(super) fn fmt_num(v: f64) -> String {
     if v.is_nan() {
         return "nan".into();
     }

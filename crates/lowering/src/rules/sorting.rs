@@ -1579,35 +1579,6 @@ fn histc(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.reduce(hit, &[0], ReduceKind::Sum))])
 }
 
-/// A double as C++ streams print it in PyTorch's messages (`%g`: six significant digits).
-fn cpp_double(v: f64) -> String {
-    if v.is_nan() {
-        return "nan".into();
-    }
-    if v.is_infinite() {
-        return if v > 0.0 { "inf" } else { "-inf" }.into();
-    }
-    if v == 0.0 {
-        return if v.is_sign_negative() { "-0" } else { "0" }.into();
-    }
-    let sci = format!("{v:.5e}");
-    let (mant, exp) = sci.split_once('e').expect("exponent");
-    let exp: i32 = exp.parse().expect("exponent digits");
-    let trim = |s: &str| {
-        if s.contains('.') {
-            s.trim_end_matches('0').trim_end_matches('.').to_string()
-        } else {
-            s.to_string()
-        }
-    };
-    if !(-4..6).contains(&exp) {
-        let sign = if exp < 0 { '-' } else { '+' };
-        format!("{}e{sign}{:02}", trim(mant), exp.abs())
-    } else {
-        trim(&format!("{v:.*}", (5 - exp) as usize))
-    }
-}
-
 /// histogramdd's input [..., N] as [M, N] rows, and N.
 fn histdd_rows(c: &Ctx, t: &TensorArg, with_count: bool) -> LResult<(i64, i64)> {
     let r = t.shape.len();
@@ -1670,8 +1641,8 @@ fn histdd_linear_edges(c: &mut Ctx, x: Value, m: i64, n: i64) -> LResult<Vec<Val
                     ErrorKind::Runtime,
                     format!(
                         "torch.histogramdd: dimension {d}'s range [{}, {}] is not finite",
-                        cpp_double(l),
-                        cpp_double(h)
+                        super::random::fmt_num(l),
+                        super::random::fmt_num(h)
                     ),
                 );
             }
@@ -1680,8 +1651,8 @@ fn histdd_linear_edges(c: &mut Ctx, x: Value, m: i64, n: i64) -> LResult<Vec<Val
                     ErrorKind::Runtime,
                     format!(
                         "torch.histogramdd: min should not exceed max, but got min {} max {} for dimension {d}",
-                        cpp_double(l),
-                        cpp_double(h)
+                        super::random::fmt_num(l),
+                        super::random::fmt_num(h)
                     ),
                 );
             }
