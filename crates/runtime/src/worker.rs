@@ -195,10 +195,16 @@ impl Worker {
     }
 
     /// A host read already raised `e` (a failed job's poisoned output): the next
-    /// synchronization does not raise it again.
+    /// synchronization does not raise it again, nor the same error found by another op
+    /// (one call can run several ops that check the same data).
     pub(crate) fn reported(&self, e: &Error) {
+        let first = |m: &str| m.lines().next().unwrap_or("").to_string();
         let mut st = lock(&self.state);
-        if st.error.as_ref().is_some_and(|x| x.msg == e.msg) {
+        if st
+            .error
+            .as_ref()
+            .is_some_and(|x| first(&x.msg) == first(&e.msg))
+        {
             st.error = None;
         }
     }
