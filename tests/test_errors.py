@@ -380,8 +380,9 @@ def test_missing_plugin_error_is_clear(code):
 
 # Ops very unlikely to get a lowering; the tests use the first one without a rule.
 UNLOWERED = [
-    ("aten::linalg_ldl_factor_ex",
-     lambda x: torch.linalg.ldl_factor(x @ x.mT + torch.eye(3).to(x))),
+    ("aten::_standard_gamma_grad", lambda x: torch._standard_gamma_grad(x.abs() + 1, x.abs() + 1)),
+    ("aten::_dirichlet_grad",
+     lambda x: torch._dirichlet_grad(x.abs() + 0.1, x.abs() + 1, x.abs() + 2)),
     ("aten::linalg_qr", lambda x: torch.linalg.qr(x)),
     ("aten::linalg_cholesky_ex", lambda x: torch.linalg.cholesky(x @ x.mT + torch.eye(3).to(x))),
     ("aten::histc", lambda x: torch.histc(x, bins=4)),
@@ -467,10 +468,8 @@ INPLACE_UNLOWERED = [
     ("aten::mvlgamma", lambda t: t[:, 1:].add_(2).mvlgamma_(1)),
     ("aten::linalg_qr", lambda t: torch.linalg.qr(
         t[:, :2].t() @ t[:, :2] + torch.eye(2, device=t.device), out=(t[:, :2], t[:, 2:]))),
-    ("aten::linalg_ldl_factor_ex", lambda t: torch.linalg.ldl_factor_ex(
-        t[:, :2].t() @ t[:, :2] + torch.eye(2, device=t.device),
-        out=(t[:, 2:], torch.empty(2, dtype=torch.int32, device=t.device),
-             torch.empty((), dtype=torch.int32, device=t.device)))),
+    ("aten::_standard_gamma_grad", lambda t: torch.ops.aten._standard_gamma_grad.out(
+        t[:, 1:] + 1, t[:, 1:] + 1, out=t[:, :3])),
 ]
 
 

@@ -1019,3 +1019,71 @@ def test_histogramdd_of_non_finite_data_raises():
         torch.histogramdd(x.to("tpu"), bins=2)[0].cpu()
     # Its two ops (edges, counts) found the same error: it was raised once.
     torch.tpu.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_ldl_factor_and_solve_without_fallback(dtype, seed):
+    """Bunch-Kaufman pivots as LAPACK picks them (2x2 blocks included), zero columns
+    reported in info, solves with broadcast batches; only the lower triangle is read."""
+    a = torch.randn(4, 6, 6, dtype=dtype)
+    a = a + a.mT
+    a[1, 0, 0] = a[1, 1, 1] = 0.0  # forces a 2x2 pivot first
+    a[2] = 0.0
+    a[2, 3, 3] = 1.0  # zero columns: info
+    big = torch.randn(16, 16, dtype=dtype)
+    big = big + big.T + torch.randn(16, 16, dtype=dtype).triu(1)  # upper part ignored
+    b = torch.randn(1, 6, 2, dtype=dtype)  # (the CPU crashes broadcasting LD's batch)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-12, rtol=1e-12)
+
+    def run(a, big, b):
+        ld, piv, info = torch.linalg.ldl_factor_ex(a)
+        ld2, piv2 = torch.linalg.ldl_factor(big)
+        good = torch.cat([a[:2], a[3:]])
+        gld, gpiv = torch.linalg.ldl_factor(good)
+        return (ld, piv, info, ld2, piv2,
+                torch.linalg.ldl_solve(gld, gpiv, b),
+                torch.linalg.ldl_solve(ld2, piv2, torch.ones(16, 1, dtype=dtype, device=a.device)))
+
+    compare(run, a, big, b, check_fallback=True, **tol)
+
+
+def test_ldl_factor_of_large_matrices_uses_the_fallback():
+    """Past 16 x 16 the unrolled program would take long to compile: the CPU computes it."""
+    a = torch.randn(17, 17)
+    a = a + a.T
+    torch_pjrt.reset_metrics()
+    got = torch.linalg.ldl_factor_ex(a.to("tpu"))
+    assert "aten::linalg_ldl_factor_ex" in fallbacks()
+    torch.testing.assert_close(got.LD.cpu(), torch.linalg.ldl_factor_ex(a).LD)
+
+
+LDL_ERRORS = {
+    "rank": lambda d: torch.linalg.ldl_factor_ex(torch.ones(3, device=d)),
+    "square": lambda d: torch.linalg.ldl_factor_ex(torch.ones(2, 3, device=d)),
+    "long": lambda d: torch.linalg.ldl_factor_ex(torch.ones(2, 2, dtype=torch.long, device=d)),
+    "solve pivots": lambda d: torch.linalg.ldl_solve(
+        torch.eye(3, device=d), torch.ones(2, dtype=torch.int32, device=d),
+        torch.ones(3, 1, device=d)),
+    "solve rows": lambda d: torch.linalg.ldl_solve(
+        torch.eye(3, device=d), torch.ones(3, dtype=torch.int32, device=d),
+        torch.ones(2, 1, device=d)),
+    "solve dtype": lambda d: torch.linalg.ldl_solve(
+        torch.eye(3, device=d), torch.ones(3, dtype=torch.int32, device=d),
+        torch.ones(3, 1, dtype=torch.float64, device=d)),
+}
+
+
+@pytest.mark.parametrize("name", list(LDL_ERRORS))
+def test_ldl_errors_like_cpu(name, fallback_off):
+    same_error_as_cpu(LDL_ERRORS[name])
+
+
+def test_ldl_solve_broadcasts_the_factorization(seed):
+    """One factorization against a batch of right-hand sides (the CPU kernel crashes on
+    this broadcast, so the reference is linalg.solve)."""
+    a = torch.randn(6, 6, dtype=torch.float64)
+    a = a + a.T
+    b = torch.randn(3, 6, 2, dtype=torch.float64)
+    ld, piv = torch.linalg.ldl_factor(a.to("tpu"))
+    x = torch.linalg.ldl_solve(ld[None], piv[None], b.to("tpu"))
+    torch.testing.assert_close(x.cpu(), torch.linalg.solve(a, b), atol=1e-10, rtol=1e-10)
