@@ -1681,6 +1681,23 @@ fn col_part(b: &mut Builder, x: Value, j: i64, from: i64, to: i64) -> Value {
     b.reshape(v, &o)
 }
 
+/// The trailing block x[..., r0:, c0:] for static r0, c0.
+fn block(b: &mut Builder, x: Value, r0: i64, c0: i64) -> Value {
+    let r = b.rank(x);
+    let y = b.slice_dim(x, r - 2, r0, b.shape(x)[r - 2], 1);
+    b.slice_dim(y, r - 1, c0, b.shape(x)[r - 1], 1)
+}
+
+/// `x` with the block at rows r0.., columns c0.. (static) replaced by `v`.
+fn put(b: &mut Builder, x: Value, v: Value, r0: i64, c0: i64) -> Value {
+    let r = b.rank(x);
+    let z = i32c(b, 0);
+    let mut starts = vec![z; r];
+    starts[r - 2] = i32c(b, r0);
+    starts[r - 1] = i32c(b, c0);
+    b.dynamic_update_slice(x, v, &starts)
+}
+
 /// The lower triangle of `x` mirrored into the upper one.
 fn sym_from_lower(b: &mut Builder, x: Value) -> Value {
     let lo = tri(b, x, true, 0);
@@ -1706,7 +1723,6 @@ fn pick(b: &mut Builder, v: Value, i: Value) -> Value {
 /// negative for 2x2 blocks, info [batch...] i32), as LAPACK's sytf2 computes them.
 fn ldl_values(b: &mut Builder, a: Value) -> (Value, Value, Value) {
     let shape = b.shape(a);
-    let dt = b.dtype(a);
     let (batch, n, _) = split(&shape);
     let r = shape.len();
     let alpha = (1.0 + 17f64.sqrt()) / 8.0;
@@ -1809,26 +1825,13 @@ fn ldl_values(b: &mut Builder, a: Value) -> (Value, Value, Value) {
             let xi = along(b, xc, &sq, r - 2);
             let tj = along(b, t, &sq, r - 1);
             let upd = b.mul(xi, tj);
+            let t22 = block(b, sw, k + 1, k + 1);
+            let t22 = b.add(t22, upd);
+            let y = put(b, sw, t22, k + 1, k + 1);
+            // The column below the pivot, scaled by 1 / akk.
             let l = b.mul(xc, d);
-            let zero_c = b.constant(dt, 0.0);
-            let mut lo = vec![0; r];
-            (lo[r - 2], lo[r - 1]) = (k + 1, k + 1);
-            let upd = b.pad(upd, zero_c, &lo, &vec![0; r], &vec![0; r]);
-            let y = b.add(sw, upd);
-            // The scaled column k below the diagonal.
-            let lfull = b.pad(
-                l,
-                zero_c,
-                &cat(&vec![0; r - 2], &[k + 1]),
-                &vec![0; r - 1],
-                &vec![0; r - 1],
-            );
-            let lfull = along(b, lfull, &shape, r - 2);
-            let kcol = b.full(DType::I32, &shape, k as f64);
-            let is_col = b.compare(cols, kcol, CmpDir::Eq);
-            let below = b.compare(rows, kcol, CmpDir::Gt);
-            let in_col = b.and(is_col, below);
-            b.select(in_col, lfull, y)
+            let l = b.reshape(l, &cat(&batch, &[m, 1]));
+            put(b, y, l, k + 1, k)
         } else {
             sw
         };
@@ -1864,31 +1867,14 @@ fn ldl_values(b: &mut Builder, a: Value) -> (Value, Value, Value) {
             let bi = along(b, bc, &sq, r - 2);
             let w1j = along(b, wk1, &sq, r - 1);
             let u2 = b.mul(bi, w1j);
-            let zero_c = b.constant(dt, 0.0);
-            let mut lo = vec![0; r];
-            (lo[r - 2], lo[r - 1]) = (k + 2, k + 2);
-            let u1 = b.pad(u1, zero_c, &lo, &vec![0; r], &vec![0; r]);
-            let u2 = b.pad(u2, zero_c, &lo, &vec![0; r], &vec![0; r]);
-            let y = b.sub(sw, u1);
-            let y = b.sub(y, u2);
-            let mut y = y;
-            for (j, w) in [(k, wk), (k + 1, wk1)] {
-                let wfull = b.pad(
-                    w,
-                    zero_c,
-                    &cat(&vec![0; r - 2], &[k + 2]),
-                    &vec![0; r - 1],
-                    &vec![0; r - 1],
-                );
-                let wfull = along(b, wfull, &shape, r - 2);
-                let jc = b.full(DType::I32, &shape, j as f64);
-                let is_col = b.compare(cols, jc, CmpDir::Eq);
-                let lim = b.full(DType::I32, &shape, (k + 1) as f64);
-                let below = b.compare(rows, lim, CmpDir::Gt);
-                let in_col = b.and(is_col, below);
-                y = b.select(in_col, wfull, y);
-            }
-            y
+            let t22 = block(b, sw, k + 2, k + 2);
+            let t22 = b.sub(t22, u1);
+            let t22 = b.sub(t22, u2);
+            let y = put(b, sw, t22, k + 2, k + 2);
+            let wk = b.reshape(wk, &cat(&batch, &[m, 1]));
+            let wk1 = b.reshape(wk1, &cat(&batch, &[m, 1]));
+            let y = put(b, y, wk, k + 2, k);
+            put(b, y, wk1, k + 2, k + 1)
         } else {
             sw
         };
@@ -1966,15 +1952,6 @@ fn swap_rows(b: &mut Builder, x: Value, i: i64, p: Value) -> Value {
 fn row_of(b: &mut Builder, x: Value, i: i64) -> Value {
     let r = b.rank(x);
     b.slice_dim(x, r - 2, i, i + 1, 1)
-}
-
-/// `x` with rows from..to replaced by `v`.
-fn set_rows(b: &mut Builder, x: Value, from: i64, v: Value) -> Value {
-    let r = b.rank(x);
-    let z = i32c(b, 0);
-    let mut starts = vec![z; r];
-    starts[r - 2] = i32c(b, from);
-    b.dynamic_update_slice(x, v, &starts)
 }
 
 /// linalg_ldl_solve: A X = B from the factorization `LD`/`pivots`, as LAPACK's sytrs.
@@ -2078,7 +2055,7 @@ fn ldl_solve(c: &mut Ctx) -> LResult<Vec<Out>> {
                 let bkb = b.broadcast_in_dim(bk, &ls, &upto(r));
                 let prod = b.mul(lb, bkb);
                 let rest = b.sub(rest, prod);
-                y = set_rows(b, y, kk + 1, rest);
+                y = put(b, y, rest, kk + 1, 0);
             }
             let akk = at(b, a, kk, kk);
             let o = b.splat(akk, 1.0);
@@ -2086,7 +2063,7 @@ fn ldl_solve(c: &mut Ctx) -> LResult<Vec<Out>> {
             let inv = rowb(b, inv);
             let bk = row_of(b, y, kk);
             let bk = b.mul(bk, inv);
-            set_rows(b, y, kk, bk)
+            put(b, y, bk, kk, 0)
         };
         // 2x2 on (kk, kk + 1)
         let y2 = if kk + 1 < n {
@@ -2103,7 +2080,7 @@ fn ldl_solve(c: &mut Ctx) -> LResult<Vec<Out>> {
                     let prod = b.mul(lb, bjb);
                     let rest = b.slice_dim(y, r - 2, kk + 2, n, 1);
                     let rest = b.sub(rest, prod);
-                    y = set_rows(b, y, kk + 2, rest);
+                    y = put(b, y, rest, kk + 2, 0);
                 }
             }
             let akm1k = at(b, a, kk + 1, kk);
@@ -2125,8 +2102,8 @@ fn ldl_solve(c: &mut Ctx) -> LResult<Vec<Out>> {
             let t1 = b.mul(akm1, bk);
             let t1 = b.sub(t1, bkm1);
             let t1 = b.div(t1, den);
-            let y = set_rows(b, y, kk, t0);
-            set_rows(b, y, kk + 1, t1)
+            let y = put(b, y, t0, kk, 0);
+            put(b, y, t1, kk + 1, 0)
         } else {
             y1
         };
@@ -2159,12 +2136,12 @@ fn ldl_solve(c: &mut Ctx) -> LResult<Vec<Out>> {
             };
             let bk = row_of(b, x, kk);
             let bk = upd(b, kk, bk);
-            y = set_rows(b, x, kk, bk);
+            y = put(b, x, bk, kk, 0);
             y2 = y;
             if kk >= 1 {
                 let bkm1 = row_of(b, x, kk - 1);
                 let bkm1 = upd(b, kk - 1, bkm1);
-                y2 = set_rows(b, y2, kk - 1, bkm1);
+                y2 = put(b, y2, bkm1, kk - 1, 0);
             }
         }
         let kp1 = b.sub(pk, one_i);
