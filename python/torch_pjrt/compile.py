@@ -171,6 +171,7 @@ class _Graph:
         if pid == _UNKEYABLE:
             counters["eager_graphs"] += 1
             return self.gm(*args)
+        assert pid == _MISSED, pid
         return self._capture(args)
 
     def _bind(self, pid, spec=None):

@@ -54,7 +54,7 @@ fn programs() -> std::sync::MutexGuard<'static, BTreeMap<usize, Arc<Entry>>> {
 }
 
 /// What a graph call with one input key runs.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Clone, Copy)]
 enum Slot {
     Program(usize),
     /// The capture broke (an op fell back, a value was read): the graph runs eagerly.
@@ -100,7 +100,7 @@ impl Graph {
 
     fn forget(&mut self, key: Vec<i64>, why: &'static str) {
         self.dropped.push_back((key, why));
-        let cap = 4 * self.max_programs.unwrap_or(DEFAULT_MAX_PROGRAMS);
+        let cap = self.max_programs.map_or(DROPPED_UNBOUNDED, |m| 4 * m);
         while self.dropped.len() > cap {
             self.dropped.pop_front();
         }
@@ -130,8 +130,8 @@ impl Graph {
     }
 }
 
-/// compile.py's default for `max_programs`, for sizing `Graph::dropped` when it is None.
-const DEFAULT_MAX_PROGRAMS: usize = 16;
+/// Dropped keys remembered by a graph without a `max_programs` bound (else 4 per program).
+const DROPPED_UNBOUNDED: usize = 64;
 
 /// Live graphs by id; ids are never reused.
 static GRAPHS: Mutex<BTreeMap<i64, Graph>> = Mutex::new(BTreeMap::new());
@@ -309,7 +309,6 @@ fn graph_bind(
     graph: i64,
     program: Option<usize>,
 ) -> PyResult<(Option<&'static str>, usize, Vec<usize>)> {
-    let g = graph;
     let Some(key) = MISSED.with(|m| m.borrow_mut().remove(&graph)) else {
         return Err(PyRuntimeError::new_err(format!(
             "graph {graph}: bind without a missed replay"
@@ -322,7 +321,7 @@ fn graph_bind(
     }
     let (reason, evicted) = {
         let mut all = graphs();
-        let Some(t) = all.get_mut(&g) else {
+        let Some(t) = all.get_mut(&graph) else {
             return Err(PyRuntimeError::new_err(format!("no graph {graph}")));
         };
         let reason = t.recompile_reason(&key);
