@@ -140,16 +140,21 @@ fn nonzero(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
     )?])
 }
 
+/// A shape rule's error (PyTorch's type and message) as the runtime's.
+fn lower_err(e: lowering::LowerError) -> Error {
+    match e {
+        lowering::LowerError::User(k, msg) => Error::new(k, msg),
+        lowering::LowerError::Declined(w) => Error::runtime(w),
+    }
+}
+
 fn masked_select(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
     let t = tensor(params, "self")?;
     let m = tensor(params, "mask")?;
     let dtype = t
         .dtype
         .ok_or_else(|| Error::runtime("masked_select: unsupported dtype"))?;
-    let shape = broadcast_shapes(&t.view.sizes, &m.view.sizes).map_err(|e| match e {
-        lowering::LowerError::User(k, msg) => Error::new(k, msg),
-        lowering::LowerError::Declined(w) => Error::runtime(w),
-    })?;
+    let shape = broadcast_shapes(&t.view.sizes, &m.view.sizes).map_err(lower_err)?;
     let values = host_bytes(rt, &expand(t, &shape), &shape, dtype)?;
     let mask = host_bytes(rt, &expand(m, &shape), &shape, DType::Bool)?;
     let k = dtype.size();
@@ -336,6 +341,26 @@ fn host_same(a: &Scalar, b: &Scalar) -> bool {
     }
 }
 
+/// The runs of equal neighbours in `order`: (each run's first index, each index's run,
+/// each run's length).
+fn groups(
+    order: &[usize],
+    same: impl Fn(usize, usize) -> bool,
+) -> (Vec<usize>, Vec<i64>, Vec<i64>) {
+    let mut firsts = Vec::new();
+    let mut inverse = vec![0i64; order.len()];
+    let mut counts: Vec<i64> = Vec::new();
+    for (pos, i) in order.iter().enumerate() {
+        if pos == 0 || !same(order[pos - 1], *i) {
+            firsts.push(*i);
+            counts.push(0);
+        }
+        *counts.last_mut().expect("a group was started") += 1;
+        inverse[*i] = counts.len() as i64 - 1;
+    }
+    (firsts, inverse, counts)
+}
+
 /// `torch.unique`: sorted whatever `sorted` says (as on the CPU), NaNs last and each its own
 /// value, -0.0 and 0.0 one value (the first in a stable sort).
 fn unique_sorted(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
@@ -365,17 +390,11 @@ fn unique(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
     if sort {
         order.sort_by(|a, b| host_order(&vals[*a], &vals[*b]));
     }
-    let mut out = Vec::new();
-    let mut inverse = vec![0i64; vals.len()];
-    let mut counts: Vec<i64> = Vec::new();
-    for (pos, i) in order.iter().enumerate() {
-        if pos == 0 || !host_same(&vals[order[pos - 1]], &vals[*i]) {
-            out.extend_from_slice(&bytes[i * k..(i + 1) * k]);
-            counts.push(0);
-        }
-        *counts.last_mut().expect("a group was started") += 1;
-        inverse[*i] = counts.len() as i64 - 1;
-    }
+    let (firsts, inverse, counts) = groups(&order, |a, b| host_same(&vals[a], &vals[b]));
+    let out: Vec<u8> = firsts
+        .iter()
+        .flat_map(|i| bytes[i * k..(i + 1) * k].iter().copied())
+        .collect();
     let n = counts.len() as i64;
     let mut rets = vec![new_tensor(rt, &out, dtype, vec![n], t.device)?];
     rets.push(if flag(params, "return_inverse") {
@@ -422,17 +441,7 @@ fn unique_dim(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
             format!("Dimension specified as {d} but tensor has no dimensions"),
         ));
     }
-    if d < -r || d >= r {
-        return Err(Error::new(
-            crate::ErrorKind::Index,
-            format!(
-                "Dimension out of range (expected to be in range of [{}, {}], but got {d})",
-                -r,
-                r - 1
-            ),
-        ));
-    }
-    let dim = d.rem_euclid(r) as usize;
+    let dim = lowering::shape::wrap_dim(d, r as usize).map_err(lower_err)?;
     let empty_dims = sizes.iter().filter(|s| **s == 0).count();
     if empty_dims > 1 {
         return Err(Error::runtime(
@@ -473,18 +482,9 @@ fn unique_dim(rt: &Runtime, params: &[Param], sort: bool) -> Result<Vec<Ret>> {
                 .unwrap_or(std::cmp::Ordering::Equal)
         });
     }
-    let equal = |a: &[Scalar], b: &[Scalar]| a.iter().zip(b).all(|(x, y)| host_same(x, y));
-    let mut firsts: Vec<usize> = Vec::new();
-    let mut inverse = vec![0i64; n];
-    let mut counts: Vec<i64> = Vec::new();
-    for (pos, i) in order.iter().enumerate() {
-        if pos == 0 || !equal(&vals[order[pos - 1]], &vals[*i]) {
-            firsts.push(*i);
-            counts.push(0);
-        }
-        *counts.last_mut().expect("a group was started") += 1;
-        inverse[*i] = counts.len() as i64 - 1;
-    }
+    let (firsts, inverse, counts) = groups(&order, |a, b| {
+        vals[a].iter().zip(&vals[b]).all(|(x, y)| host_same(x, y))
+    });
     let u = firsts.len();
     let mut osizes = sizes.clone();
     osizes[dim] = u as i64;
