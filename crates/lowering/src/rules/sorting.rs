@@ -1610,9 +1610,9 @@ fn histdd_rows(c: &Ctx, t: &TensorArg, with_count: bool) -> LResult<(i64, i64)> 
 /// The equal-width bin edges of histogramdd's every dim: `range`, else each column's data
 /// range (0..1 when there are no rows), widened by 0.5 each way when empty. A column with an
 /// infinity or NaN raises at the next synchronization, as the CPU raises at once.
-fn histdd_linear_edges(c: &mut Ctx, x: Value, m: i64, n: i64) -> LResult<Vec<Value>> {
-    let bins = c.args.ints("bins")?;
-    if bins.len() as i64 != n || bins.iter().any(|b| *b < 1) {
+fn histdd_linear_edges(c: &mut Ctx, x: Value, m: i64, bins: &[i64]) -> LResult<Vec<Value>> {
+    let n = bins.len() as i64;
+    if bins.iter().any(|b| *b < 1) {
         // bins <= 0: the CPU's linspace or bin check words it.
         return decline("histogramdd: bins per dim");
     }
@@ -1666,7 +1666,7 @@ fn histdd_linear_edges(c: &mut Ctx, x: Value, m: i64, n: i64) -> LResult<Vec<Val
         return Ok(edges);
     }
     if m == 0 {
-        for bn in &bins {
+        for bn in bins {
             let (lo, hi) = (c.b.constant(dt, 0.0), c.b.constant(dt, 1.0));
             edges.push(linspace_values(c.b, lo, hi, bn + 1));
         }
@@ -1776,20 +1776,31 @@ fn histdd_count(c: &mut Ctx, x: Value, m: i64, edges: &[Value], dt: DType) -> Va
     hist
 }
 
+/// histogramdd's bin counts, one per dim.
+fn histdd_bins(c: &Ctx, n: i64) -> LResult<Vec<i64>> {
+    let bins = c.args.ints("bins")?;
+    if bins.len() as i64 != n {
+        return decline("histogramdd: bins per dim");
+    }
+    Ok(bins)
+}
+
 /// `_histogramdd_bin_edges`: each dim's equal-width edges.
 fn histogramdd_bin_edges(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = input(c)?;
     let (m, n) = histdd_rows(c, &t, false)?;
+    let bins = histdd_bins(c, n)?;
     let x = c.b.reshape(t.value, &[m, n]);
-    Ok(vec![Out::List(histdd_linear_edges(c, x, m, n)?)])
+    Ok(vec![Out::List(histdd_linear_edges(c, x, m, &bins)?)])
 }
 
 /// `_histogramdd_from_bin_cts`: the histogram over equal-width bins.
 fn histogramdd_from_bin_cts(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = input(c)?;
     let (m, n) = histdd_rows(c, &t, false)?;
+    let bins = histdd_bins(c, n)?;
     let x = c.b.reshape(t.value, &[m, n]);
-    let edges = histdd_linear_edges(c, x, m, n)?;
+    let edges = histdd_linear_edges(c, x, m, &bins)?;
     Ok(vec![Out::T(histdd_count(c, x, m, &edges, t.dtype))])
 }
 
@@ -1915,10 +1926,8 @@ fn linspace_values(b: &mut Builder, lo: Value, hi: Value, steps: i64) -> Value {
     b.select(first, up, down)
 }
 
-/// torch.histogram: counts (or weights) per bin and the bin edges. Edges are given, or
-/// `bins` equal bins over `range` (default: the data's range, widened by 0.5 each way
-/// when empty). An element lands in the last edge not above it; the last edge closes the
-/// last bin; elements outside the edges (and NaN) are skipped.
+/// torch.histogram: histogramdd of one dim (its edges and counts), the data flattened.
+/// Edges are given, or `bins` equal bins over `range` (default: the data's range).
 fn histogram(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = input(c)?;
     if !t.dtype.is_float() {
@@ -1933,125 +1942,32 @@ fn histogram(c: &mut Ctx) -> LResult<Vec<Out>> {
     if is_half(t.dtype) {
         return decline("histogram of half tensors");
     }
-    let dt = t.dtype;
-    let weight = c.args.opt_tensor("weight").cloned();
-    if let Some(w) = &weight {
-        if w.shape != t.shape || w.dtype != dt {
+    if let Some(w) = c.args.opt_tensor("weight") {
+        if w.shape != t.shape || w.dtype != t.dtype {
             return decline("histogram weight of another shape or dtype");
         }
     }
-    let density = c.args.bool_or("density", false);
     let n = numel(&t.shape);
-    let given = c.args.opt_tensor("bins").cloned();
-    let range = if c.args.has("range") {
-        Some(c.args.floats("range")?)
-    } else {
-        None
-    };
-    let bins = c.args.int_or("bins", 100);
-    let b = &mut *c.b;
-    let x = b.reshape(t.value, &[n]);
-    let (edges, nb) = match given {
+    let x = c.b.reshape(t.value, &[n, 1]);
+    let edges = match c.args.opt_tensor("bins").cloned() {
         Some(bt) => {
-            if bt.dtype != dt || bt.shape.len() != 1 || bt.shape[0] < 1 {
+            if bt.dtype != t.dtype || bt.shape.len() != 1 || bt.shape[0] < 1 {
                 return decline("histogram bins of another dtype or shape");
             }
-            (bt.value, bt.shape[0] - 1)
+            bt.value
         }
         None => {
+            let bins = c.args.int_or("bins", 100);
             if bins <= 0 {
                 return user_err(
                     ErrorKind::Runtime,
                     format!("torch.histogram(): bins must be > 0, but got {bins} for dimension 0"),
                 );
             }
-            let (lo, hi) = match range {
-                Some(r) => {
-                    if r.len() != 2 {
-                        return user_err(
-                            ErrorKind::Runtime,
-                            format!(
-                                "torch.histogramdd: for a 1-dimensional histogram range should have 2 elements, but got {}",
-                                r.len()
-                            ),
-                        );
-                    }
-                    let (mut l, mut h) = (r[0], r[1]);
-                    if !(l.is_finite() && h.is_finite()) {
-                        return user_err(
-                            ErrorKind::Runtime,
-                            format!(
-                                "torch.histogramdd: dimension 0's range [{l}, {h}] is not finite"
-                            ),
-                        );
-                    }
-                    if l > h {
-                        return user_err(
-                            ErrorKind::Runtime,
-                            format!(
-                                "torch.histogramdd: min should not exceed max, but got min {l} max {h} for dimension 0"
-                            ),
-                        );
-                    }
-                    if l == h {
-                        l -= 0.5;
-                        h += 0.5;
-                    }
-                    (b.constant(dt, l), b.constant(dt, h))
-                }
-                None if n == 0 => (b.constant(dt, 0.0), b.constant(dt, 1.0)),
-                None => {
-                    let mn = b.reduce(x, &[0], ReduceKind::Min);
-                    let mx = b.reduce(x, &[0], ReduceKind::Max);
-                    let same = b.compare(mn, mx, CmpDir::Eq);
-                    let half = b.splat(mn, 0.5);
-                    let mn1 = b.sub(mn, half);
-                    let mx1 = b.add(mx, half);
-                    (b.select(same, mn1, mn), b.select(same, mx1, mx))
-                }
-            };
-            (linspace_values(b, lo, hi, bins + 1), bins)
+            histdd_linear_edges(c, x, n, &[bins])?[0]
         }
     };
-    if nb == 0 || n == 0 {
-        let hist = b.full(dt, &[nb], 0.0);
-        return Ok(vec![Out::T(hist), Out::T(edges)]);
-    }
-    let after = count_before(b, edges, x, true, DType::I64);
-    let one = b.full(DType::I64, &[n], 1.0);
-    let pos = b.sub(after, one);
-    let last = b.full(DType::I64, &[n], (nb - 1) as f64);
-    let pos = b.min(pos, last);
-    let e0 = b.slice(edges, &[0], &[1], &[1]);
-    let e0 = b.broadcast_in_dim(e0, &[n], &[0]);
-    let e1 = b.slice(edges, &[nb], &[nb + 1], &[1]);
-    let e1 = b.broadcast_in_dim(e1, &[n], &[0]);
-    let ge = b.compare(x, e0, CmpDir::Ge);
-    let le = b.compare(x, e1, CmpDir::Le);
-    let inside = b.and(ge, le);
-    let w = match &weight {
-        Some(w) => b.reshape(w.value, &[n]),
-        None => b.full(dt, &[n], 1.0),
-    };
-    let zero = b.splat(w, 0.0);
-    let w = b.select(inside, w, zero);
-    let pb = b.broadcast_in_dim(pos, &[n, nb], &[0]);
-    let ids = b.iota(DType::I64, &[n, nb], 1);
-    let hit = b.compare(pb, ids, CmpDir::Eq);
-    let wb = b.broadcast_in_dim(w, &[n, nb], &[0]);
-    let z = b.splat(wb, 0.0);
-    let contrib = b.select(hit, wb, z);
-    let mut hist = b.reduce(contrib, &[0], ReduceKind::Sum);
-    if density {
-        // Normalized by the total, then by each bin's width.
-        let total = b.reduce(hist, &[0], ReduceKind::Sum);
-        let total = b.broadcast_in_dim(total, &[nb], &[]);
-        hist = b.div(hist, total);
-        let hi = b.slice(edges, &[1], &[nb + 1], &[1]);
-        let lo = b.slice(edges, &[0], &[nb], &[1]);
-        let width = b.sub(hi, lo);
-        hist = b.div(hist, width);
-    }
+    let hist = histdd_count(c, x, n, &[edges], t.dtype);
     Ok(vec![Out::T(hist), Out::T(edges)])
 }
 
