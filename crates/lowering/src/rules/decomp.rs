@@ -1505,17 +1505,9 @@ fn lstsq(c: &mut Ctx) -> LResult<Vec<Out>> {
     }
     let dt = a.dtype;
     let b = &mut *c.b;
-    let av = b.broadcast_in_dim(
-        a.value,
-        &cat(&batch, &[m, n]),
-        &broadcast_dims(&abatch, &batch, 2),
-    );
+    let av = b.broadcast_to(a.value, &cat(&batch, &[m, n]));
     let bv = b.reshape(bt.value, &bshape);
-    let bv = b.broadcast_in_dim(
-        bv,
-        &cat(&batch, &[m, k]),
-        &broadcast_dims(&bshape[..br - 2], &batch, 2),
-    );
+    let bv = b.broadcast_to(bv, &cat(&batch, &[m, k]));
     let p = m.min(n);
     let empty_input = numel(&batch) == 0 || m == 0 || n == 0;
     let (x, rank, sv, qr_res) = if empty_input {
@@ -1639,13 +1631,6 @@ fn lstsq_svd(b: &mut Builder, a: Value, rhs: Value, rcond: f64) -> (Value, Value
     let inv = along(b, inv, &cat(&batch, &[p, k]), nb);
     let y = b.mul(ltb, inv);
     (matmul(b, r, y), rank, s)
-}
-
-/// Dims of `from` [batch..., tail] inside [to..., tail] (`tail` trailing dims), for
-/// broadcast_in_dim.
-fn broadcast_dims(from: &[i64], to: &[i64], tail: usize) -> Vec<i64> {
-    let off = to.len() - from.len();
-    (0..from.len() + tail).map(|i| (i + off) as i64).collect()
 }
 
 // ---------------------------------------------------------------------------
@@ -2012,22 +1997,10 @@ fn ldl_solve(c: &mut Ctx) -> LResult<Vec<Out>> {
     if numel(&xshape) == 0 {
         return Ok(vec![Out::T(b.full(ld.dtype, &xshape, 0.0))]);
     }
-    let a = b.broadcast_in_dim(
-        ld.value,
-        &cat(&batch, &[n, n]),
-        &broadcast_dims(&ld.shape[..lr - 2], &batch, 2),
-    );
+    let a = b.broadcast_to(ld.value, &cat(&batch, &[n, n]));
     let p = b.convert(pv.value, DType::I32);
-    let p = b.broadcast_in_dim(
-        p,
-        &cat(&batch, &[n]),
-        &broadcast_dims(&pv.shape[..lr - 2], &batch, 1),
-    );
-    let mut x = b.broadcast_in_dim(
-        bt.value,
-        &xshape,
-        &broadcast_dims(&bt.shape[..br - 2], &batch, 2),
-    );
+    let p = b.broadcast_to(p, &cat(&batch, &[n]));
+    let mut x = b.broadcast_to(bt.value, &xshape);
     let r = xshape.len();
     let zi = b.full(DType::I32, &batch, 0.0);
     let one_i = b.full(DType::I32, &batch, 1.0);
