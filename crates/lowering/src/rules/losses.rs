@@ -1302,7 +1302,7 @@ fn per_batch(b: &mut Builder, vals: &[i64], shape: &[i64]) -> Value {
 }
 
 /// Elements `flat[idx]` of `x` flattened, shaped like `idx`.
-fn take_flat(b: &mut Builder, x: Value, idx: Value) -> Value {
+pub(super) fn take_flat(b: &mut Builder, x: Value, idx: Value) -> Value {
     let n = numel(&b.shape(x));
     let shape = b.shape(idx);
     let flat = b.reshape(x, &[n]);

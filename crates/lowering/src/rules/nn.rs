@@ -2197,11 +2197,9 @@ fn fractional_max_pool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
         let st = b.broadcast_in_dim(st, &oshape, &[0, 1 + j as i64]);
         base = b.add(base, st);
     }
-    let flat = b.reshape(x.value, &[planes * vol]);
     let plane = b.iota(DType::I64, &oshape, 0);
     let pv = b.full(DType::I64, &oshape, vol as f64);
     let plane = b.mul(plane, pv);
-    let m = numel(&oshape);
     let mut best: Option<(Value, Value)> = None;
     for off in 0..numel(&k) {
         // Offset of this kernel element within the window, T/H outer, W inner.
@@ -2216,9 +2214,7 @@ fn fractional_max_pool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
         let d = b.full(DType::I64, &oshape, delta as f64);
         let idx = b.add(base, d);
         let lin = b.add(plane, idx);
-        let lin = b.reshape(lin, &[m, 1]);
-        let v = b.gather(flat, lin, &[], &[0], &[0], 1, &[1]);
-        let v = b.reshape(v, &oshape);
+        let v = super::losses::take_flat(b, x.value, lin);
         best = Some(match best {
             None => (v, idx),
             Some((mv, mi)) => {
