@@ -222,7 +222,7 @@ struct ClientInner {
     device_ids: Vec<i64>,
     platform: [String; 2],
     /// Compile options set by name (`CompileOptionsProto.env_option_overrides`).
-    overrides: Vec<(String, bool)>,
+    overrides: Vec<(String, OptionValue)>,
 }
 
 // SAFETY: a PJRT_Client is thread-safe; device handles are immutable objects
@@ -280,10 +280,13 @@ impl Client {
         Self::with_overrides(plugin, &[])
     }
 
-    /// As `new`; every compilation also sets these boolean XLA options by name
-    /// (`DebugOptions` fields such as `xla_allow_excess_precision`). The plugin rejects
-    /// names it does not know when compiling.
-    pub fn with_overrides(plugin: Arc<Plugin>, overrides: &[(&str, bool)]) -> Result<Arc<Client>> {
+    /// As `new`; every compilation also sets these XLA options by name (`DebugOptions`
+    /// fields such as `xla_allow_excess_precision`). The plugin rejects names it does not
+    /// know when compiling.
+    pub fn with_overrides(
+        plugin: Arc<Plugin>,
+        overrides: &[(&str, OptionValue)],
+    ) -> Result<Arc<Client>> {
         plugin.initialize()?;
         let api = plugin.api;
         let mut raw: ffi::Handle = ptr::null_mut();
@@ -296,7 +299,10 @@ impl Client {
             device_kinds: vec![],
             device_ids: vec![],
             platform: Default::default(),
-            overrides: overrides.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            overrides: overrides
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.clone()))
+                .collect(),
         };
         for (which, out) in c.platform.iter_mut().enumerate() {
             let (mut s, mut n) = (ptr::null(), 0usize);
@@ -453,14 +459,25 @@ fn put_bytes(out: &mut Vec<u8>, field: u64, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
+/// The value of an XLA option set by name at every compilation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum OptionValue {
+    Bool(bool),
+    Str(String),
+}
+
 /// Serialized `xla.CompileOptionsProto` for a single-device executable:
 /// executable_build_options(3) { device_ordinal(1), num_replicas(4)=1,
 /// num_partitions(5)=1, device_assignment(9) { replica_count(1)=1,
 /// computation_count(2)=1, computation_devices(3) { replica_device_ids(1) } } }.
 /// The device assignment is what places the executable: device_ordinal alone
 /// still yields the default assignment (device 0). Then env_option_overrides(7), a map
-/// of option name to OptionOverrideProto { bool_field(2) }.
-fn compile_options(device_ordinal: usize, device_id: i64, overrides: &[(String, bool)]) -> Vec<u8> {
+/// of option name to OptionOverrideProto { string_field(1) | bool_field(2) }.
+fn compile_options(
+    device_ordinal: usize,
+    device_id: i64,
+    overrides: &[(String, OptionValue)],
+) -> Vec<u8> {
     let mut computation_device = vec![];
     put_int(&mut computation_device, 1, device_id);
     let mut assignment = vec![];
@@ -476,7 +493,11 @@ fn compile_options(device_ordinal: usize, device_id: i64, overrides: &[(String, 
     put_bytes(&mut opts, 3, &build);
     for (name, value) in overrides {
         let mut v = vec![];
-        put_int(&mut v, 2, i64::from(*value)); // a oneof member: written even when false
+        match value {
+            // A oneof member: written even when false or empty.
+            OptionValue::Str(s) => put_bytes(&mut v, 1, s.as_bytes()),
+            OptionValue::Bool(b) => put_int(&mut v, 2, i64::from(*b)),
+        }
         let mut entry = vec![];
         put_bytes(&mut entry, 1, name.as_bytes());
         put_bytes(&mut entry, 2, &v);
@@ -866,12 +887,18 @@ mod tests {
             0x1a, 16, 0x08, 1, 0x20, 1, 0x28, 1, 0x4a, 8, 0x08, 1, 0x10, 1, 0x1a, 2, 0x08, 1,
         ];
         assert_eq!(compile_options(1, 1, &[]), expected);
-        let with = compile_options(1, 1, &[("ab".into(), false)]);
+        let with = compile_options(1, 1, &[("ab".into(), OptionValue::Bool(false))]);
         assert_eq!(with[..expected.len()], expected);
         // 7: { key(1) "ab", value(2) { bool_field(2) false } }
         assert_eq!(
             with[expected.len()..],
             [0x3a, 8, 0x0a, 2, b'a', b'b', 0x12, 2, 0x10, 0]
+        );
+        let with = compile_options(1, 1, &[("ab".into(), OptionValue::Str("X".into()))]);
+        // 7: { key(1) "ab", value(2) { string_field(1) "X" } }
+        assert_eq!(
+            with[expected.len()..],
+            [0x3a, 9, 0x0a, 2, b'a', b'b', 0x12, 3, 0x0a, 1, b'X']
         );
     }
 }

@@ -160,6 +160,28 @@ pub struct Runtime {
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+
+/// XLA options every compilation sets, on the CPU plugin only (where they are verified; the
+/// plugin checks their names at compile time):
+/// - no excess precision: fused programs (DeferAndFuse, torch.compile) round every
+///   half-precision intermediate as eager PyTorch does, instead of keeping them in f32;
+/// - generated code for AVX2 at most, unless `XLA_FLAGS` chooses an ISA: on hosts with
+///   AVX512-FP16, LLVM turns a fused float16 `a * b + c` into one float16 FMA (one rounding,
+///   not eager's two), so results would depend on the processor. Capped, fused kernels are
+///   the same code on every x86-64 host with AVX2 (matrix products run in XLA's prebuilt
+///   libraries, not in generated code: no GPT/MLP step got slower, see ARCHITECTURE.md).
+fn compile_overrides(cpu_plugin: bool) -> Vec<(&'static str, pjrt::OptionValue)> {
+    use pjrt::OptionValue::{Bool, Str};
+    if !cpu_plugin {
+        return vec![];
+    }
+    let mut o = vec![("xla_allow_excess_precision", Bool(false))];
+    let user_isa = std::env::var("XLA_FLAGS").is_ok_and(|f| f.contains("xla_cpu_max_isa"));
+    if cfg!(target_arch = "x86_64") && !user_isa {
+        o.push(("xla_cpu_max_isa", Str("AVX2".into())));
+    }
+    o
+}
 static INIT_LOCK: Mutex<()> = Mutex::new(());
 
 /// Loads the plugin (see `pjrt::find_plugin`) and creates the client, once.
@@ -194,15 +216,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         // Before the client exists, so that the arena cap binds its threads too.
         pjrt::keep_freed_host_memory(32 << 20);
     }
-    // Fused programs (DeferAndFuse, torch.compile) round every half-precision intermediate
-    // as eager PyTorch does, instead of XLA keeping them in f32: the same results in every
-    // mode. Only where verified: the option's name is checked by the plugin at compile time.
-    let overrides: &[(&str, bool)] = if cpu_plugin {
-        &[("xla_allow_excess_precision", false)]
-    } else {
-        &[]
-    };
-    let client = pjrt::Client::with_overrides(plugin, overrides)?;
+    let client = pjrt::Client::with_overrides(plugin, &compile_overrides(cpu_plugin))?;
     let devices = client.num_devices();
     let rt = Runtime {
         disk: diskcache::DiskCache::new(&client),
