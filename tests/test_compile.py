@@ -20,7 +20,7 @@ import torch
 import torch._dynamo
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import assert_close, fallbacks, to_cpu
+from conftest import Float64Twin, assert_close, assert_trained_close, fallbacks, to_cpu
 
 import torch_pjrt
 
@@ -194,7 +194,13 @@ def sgd(params):
 
 
 def adamw(params):
-    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=ADAMW_LR, weight_decay=0.01)
+
+
+ADAMW_LR = 1e-3
+# The most STEPS optimizer steps can move an ill-conditioned element (Float64Twin): AdamW's
+# step is lr * m / sqrt(v), within 2 lr over a few steps; SGD's steps are not amplified.
+MAX_MOVE = {"adamw": 2 * ADAMW_LR * STEPS, "sgd": 0.0}
 
 
 TRAIN_CASES = [
@@ -211,13 +217,19 @@ def test_training_steps(name, m, opt_name):
     make_opt = {"sgd": sgd, "adamw": adamw}[opt_name]
     cpu_model, tpu_model, compiled, (x, y), (xt, yt), loss_fn = pair(name)
     opt, opt_t = make_opt(cpu_model.parameters()), make_opt(tpu_model.parameters())
+    twin = Float64Twin(cpu_model, make_opt)
+    x64, y64 = twin.inputs(x, y)
     compilations = []
     with torch.tpu.set_eager_mode(MODES[m]):
         for step in range(STEPS):
             opt.zero_grad(set_to_none=True)
             loss = loss_fn(cpu_model(x), y)
             loss.backward()
+            twin.opt.zero_grad(set_to_none=True)
+            loss_fn(twin.model(x64), y64).backward()
+            twin.note_grads(cpu_model)
             opt.step()
+            twin.opt.step()
             opt_t.zero_grad(set_to_none=True)
             loss_t = loss_fn(compiled(xt), yt)
             loss_t.backward()
@@ -225,7 +237,9 @@ def test_training_steps(name, m, opt_name):
             a, b = loss.item(), loss_t.item()
             assert math.isclose(b, a, rel_tol=RTOL), f"step {step}: tpu loss {b}, CPU loss {a}"
             compilations.append(torch_pjrt.metrics()["compilations"])
-    assert_state_close(tpu_model, cpu_model, grads=False, atol=1e-4, rtol=1e-3)
+    assert_trained_close(tpu_model, cpu_model, twin, MAX_MOVE[opt_name], atol=1e-4, rtol=1e-3)
+    for (n, b), (_, c) in zip(tpu_model.named_buffers(), cpu_model.named_buffers(), strict=True):
+        assert_close(b, c, atol=1e-4, rtol=1e-3, msg=f"buffer {n} differs")
     assert_captured()
     c = compile_counters()
     # Forward and backward graphs, each captured once; later steps replay them.
@@ -236,6 +250,35 @@ def test_training_steps(name, m, opt_name):
         f"XLA compilations per step after warm-up: {compilations}"
     )
     assert not fallbacks(), fallbacks()
+
+
+def test_trained_close_has_teeth():
+    """assert_trained_close passes a faithful copy and fails one wrong element: one where the
+    update is well conditioned (compared with the CPU), one where it is not (compared with
+    the float64 run, within the optimizer's largest move)."""
+    cpu_model, x, y, loss_fn = make("gpt")
+    twin = Float64Twin(cpu_model, adamw)
+    opt = adamw(cpu_model.parameters())
+    x64, y64 = twin.inputs(x, y)
+    for _ in range(3):
+        for model, o, a, b in ((cpu_model, opt, x, y), (twin.model, twin.opt, x64, y64)):
+            o.zero_grad(set_to_none=True)
+            loss_fn(model(a), b).backward()
+        twin.note_grads(cpu_model)
+        opt.step()
+        twin.opt.step()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    max_move = 2 * ADAMW_LR * 3
+    assert assert_trained_close(tpu_model, cpu_model, twin, max_move, atol=1e-4, rtol=1e-3)
+    noisy = twin.noisy["blocks.0.qkv.bias"]
+    well = (~noisy).nonzero()[0].item()
+    bad = noisy.nonzero()[0].item()
+    for i, delta in ((well, 1e-3), (bad, 2 * max_move)):
+        wrong = copy.deepcopy(tpu_model)
+        with torch.no_grad():
+            wrong.blocks[0].qkv.bias[i] += delta
+        with pytest.raises(AssertionError, match="blocks.0.qkv.bias"):
+            assert_trained_close(wrong, cpu_model, twin, max_move, atol=1e-4, rtol=1e-3)
 
 
 def test_replay_compiles_nothing(mode):
@@ -336,16 +379,21 @@ def test_compiled_train_step(opt_name, how, mode):
         return opt, (torch.compile(step, backend="tpu") if compiled else step)
 
     (_, step), (opt_t, step_t) = make_step(cpu_model, False), make_step(tpu_model, True)
+    twin = Float64Twin(cpu_model, make_opt)
+    _, step64 = make_step(twin.model, False)
+    x64, y64 = twin.inputs(x, y)
     executions, donated = [], []
     for i in range(STEPS):
         m0 = torch_pjrt.metrics()
         a, b = step(x, y).item(), step_t(xt, yt).item()
+        step64(x64, y64)
+        twin.note_grads(cpu_model)  # the steps leave their gradients in .grad
         torch.tpu.synchronize()  # Strict replays are queued: .item() waits for the loss only
         m1 = torch_pjrt.metrics()
         executions.append(m1["executions"] - m0["executions"])
         donated.append(m1["donated_buffers"] - m0["donated_buffers"])
         assert math.isclose(b, a, rel_tol=RTOL), f"step {i}: tpu loss {b}, CPU loss {a}"
-    assert_state_close(tpu_model, cpu_model, grads=False, atol=1e-4, rtol=1e-3)
+    assert_trained_close(tpu_model, cpu_model, twin, MAX_MOVE[opt_name], atol=1e-4, rtol=1e-3)
     assert_captured()
     c = compile_counters()
     # Forward, backward and the update (its first call, before the state exists, may be
