@@ -80,7 +80,9 @@ def _lazy_init():
 
 
 def _is_in_bad_fork():
-    return False
+    """True in a child forked after torch_pjrt set up the device: tpu ops raise there (use
+    the 'spawn' start method), CPU work goes on."""
+    return _C.in_bad_fork()
 
 
 def device_count():

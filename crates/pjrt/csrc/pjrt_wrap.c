@@ -7,6 +7,8 @@
 #include "pjrt_wrap.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #if defined(__GLIBC__)
 #include <malloc.h>
 #endif
@@ -147,6 +149,16 @@ pw_err* pw_plugin_initialize(const void* a) {
   ARGS(PJRT_Plugin_Initialize_Args, args);
   return CALL(PJRT_Plugin_Initialize, args);
 }
+
+/* -------------------------------- Fork ---------------------------------- */
+
+static atomic_int pw_forked;
+
+static void pw_mark_forked(void) { atomic_store(&pw_forked, 1); }
+
+int pw_watch_fork(void) { return pthread_atfork(NULL, NULL, pw_mark_forked) == 0; }
+
+int pw_in_forked_child(void) { return atomic_load(&pw_forked); }
 
 /* ------------------------------- Client --------------------------------- */
 

@@ -23,6 +23,11 @@ pw_err* pw_load(const char* path, const void** api_out);
 void pw_api_version(const void* api, int* major, int* minor);
 pw_err* pw_plugin_initialize(const void* api);
 
+/* A child of fork() inherits the plugin's state but none of its threads: it must not call
+   into the plugin. pw_watch_fork registers the handler that marks the child. */
+int pw_watch_fork(void);
+int pw_in_forked_child(void);
+
 /* which: 0 = platform name, 1 = platform version. */
 pw_err* pw_client_create(const void* api, void** client_out);
 int pw_keep_freed_host_memory(size_t bytes);

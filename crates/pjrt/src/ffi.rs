@@ -23,6 +23,9 @@ extern "C" {
     pub fn pw_api_version(api: Api, major: *mut c_int, minor: *mut c_int);
     pub fn pw_plugin_initialize(api: Api) -> Err;
 
+    pub fn pw_watch_fork() -> c_int;
+    pub fn pw_in_forked_child() -> c_int;
+
     pub fn pw_client_create(api: Api, client_out: *mut Handle) -> Err;
     pub fn pw_keep_freed_host_memory(bytes: usize) -> c_int;
     pub fn pw_client_destroy(api: Api, client: Handle) -> Err;

@@ -252,6 +252,9 @@ impl ClientInner {
 
 impl Drop for ClientInner {
     fn drop(&mut self) {
+        if in_forked_child() {
+            return;
+        }
         // SAFETY: `raw` is a live client; buffers and executables hold an Arc
         // to this object, so none outlive it. Errors cannot be reported here.
         let _ = check(unsafe { ffi::pw_client_destroy(self.api(), self.raw) });
@@ -288,6 +291,7 @@ impl Client {
         overrides: &[(&str, OptionValue)],
     ) -> Result<Arc<Client>> {
         plugin.initialize()?;
+        watch_fork();
         let api = plugin.api;
         let mut raw: ffi::Handle = ptr::null_mut();
         // SAFETY: `api` is valid; `raw` is a valid out pointer.
@@ -534,7 +538,7 @@ impl fmt::Debug for Buffer {
 
 impl Drop for Buffer {
     fn drop(&mut self) {
-        if !self.raw.is_null() {
+        if !self.raw.is_null() && !in_forked_child() {
             // SAFETY: `raw` is a live buffer owned by this object; the client is alive.
             let _ = check(unsafe { ffi::pw_buffer_destroy(self.client.api(), self.raw) });
         }
@@ -674,6 +678,9 @@ impl fmt::Debug for Executable {
 
 impl Drop for Executable {
     fn drop(&mut self) {
+        if in_forked_child() {
+            return;
+        }
         // SAFETY: `raw` is a live loaded executable owned by this object.
         let _ = check(unsafe { ffi::pw_exe_destroy(self.client.api(), self.raw) });
     }
@@ -794,6 +801,22 @@ fn first_so_in(dir: &Path) -> Option<PathBuf> {
 /// applied). A CPU plugin's buffers are
 /// host memory: without this each new activation buffer pays fresh page faults, which
 /// measured up to half the time of a 1 MB elementwise op.
+/// Whether this process is a child forked after a client was created. The plugin's threads
+/// did not survive the fork: a call into it could wait forever, so the child must make none
+/// (objects it drops are leaked).
+pub fn in_forked_child() -> bool {
+    // SAFETY: reads a flag; no arguments.
+    unsafe { ffi::pw_in_forked_child() != 0 }
+}
+
+fn watch_fork() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    // SAFETY: registers a handler that only stores to an atomic flag.
+    ONCE.call_once(|| unsafe {
+        ffi::pw_watch_fork();
+    });
+}
+
 pub fn keep_freed_host_memory(bytes: usize) -> bool {
     // SAFETY: mallopt only changes allocator thresholds; no pointers are involved.
     unsafe { ffi::pw_keep_freed_host_memory(bytes) != 0 }

@@ -236,9 +236,22 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
 
 /// The runtime, if `init` succeeded.
 pub fn get() -> Result<&'static Runtime> {
-    RUNTIME
+    let rt = RUNTIME
         .get()
-        .ok_or_else(|| Error::runtime("torch_pjrt is not initialized: import torch_pjrt first"))
+        .ok_or_else(|| Error::runtime("torch_pjrt is not initialized: import torch_pjrt first"))?;
+    if pjrt::in_forked_child() {
+        // As CUDA: the parent's client cannot serve a forked child (its threads are gone).
+        return Err(Error::runtime(FORKED));
+    }
+    Ok(rt)
+}
+
+pub const FORKED: &str = "Cannot re-initialize tpu in forked subprocess. To use tpu with \
+    multiprocessing, you must use the 'spawn' start method";
+
+/// The number of devices, also in a forked child (read from the client, no plugin call).
+pub fn device_count() -> usize {
+    RUNTIME.get().map_or(0, Runtime::num_devices)
 }
 
 impl Runtime {

@@ -286,7 +286,7 @@ pub unsafe extern "C" fn tpu_rs_item(
 
 #[no_mangle]
 pub extern "C" fn tpu_rs_device_count() -> i32 {
-    catch_unwind(|| runtime::get().map(|r| r.num_devices() as i32).unwrap_or(0)).unwrap_or(0)
+    catch_unwind(|| runtime::device_count() as i32).unwrap_or(0)
 }
 
 /// # Safety

@@ -99,8 +99,14 @@ fn _init(search_dirs: Vec<String>) -> PyResult<()> {
 }
 
 #[pyfunction]
-fn device_count() -> PyResult<usize> {
-    Ok(rt()?.num_devices())
+fn device_count() -> usize {
+    runtime::device_count()
+}
+
+/// Whether this is a child forked after the device was set up (it cannot use the device).
+#[pyfunction]
+fn in_bad_fork() -> bool {
+    pjrt::in_forked_child()
 }
 
 #[pyfunction]
@@ -314,6 +320,7 @@ fn lowering_names() -> Vec<&'static str> {
 fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_init, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(in_bad_fork, m)?)?;
     m.add_function(wrap_pyfunction!(platform_name, m)?)?;
     m.add_function(wrap_pyfunction!(device_kind, m)?)?;
     m.add_function(wrap_pyfunction!(plugin_path, m)?)?;
