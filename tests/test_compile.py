@@ -252,6 +252,18 @@ def test_training_steps(name, m, opt_name):
     assert not fallbacks(), fallbacks()
 
 
+def test_default_backend_says_to_pass_backend_tpu():
+    """torch.compile without backend= is Inductor, which cannot generate tpu code: one clear
+    error naming the fix, not Inductor's Pallas generator failing to import jax; Inductor
+    on CPU tensors is untouched."""
+    f = torch.compile(lambda x: (x * 2 + 1).sin())
+    with pytest.raises(RuntimeError, match='backend="tpu"'):
+        f(torch.ones(3, device="tpu"))
+    torch._dynamo.reset()
+    g = torch.compile(lambda x: (x * 2 + 1).sin())
+    assert_close(g(torch.ones(3)), torch.full((3,), 3.0).sin())
+
+
 def test_trained_close_has_teeth():
     """assert_trained_close passes a faithful copy and fails one wrong element: one where the
     update is well conditioned (compared with the CPU), one where it is not (compared with

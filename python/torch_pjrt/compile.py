@@ -341,7 +341,30 @@ def _optimizer_state_on_tpu():
     OptimizerVariable._safe_to_set_capturable = safe_to_set_capturable
 
 
+NEEDS_TPU_BACKEND = (
+    "torch.compile's default backend, Inductor, cannot generate code for the tpu device "
+    "(PyTorch maps the device type 'tpu' to its Pallas code generator, which needs jax and a "
+    "TPU); compile with torch.compile(model, backend=\"tpu\") instead"
+)
+
+
+class _InductorNeedsTpuBackend:
+    """Inductor's code generator for the tpu device: says to pass backend="tpu"."""
+
+    def __init__(self, *args, **kwargs):
+        raise RuntimeError(NEEDS_TPU_BACKEND)
+
+
+def _claim_inductor_device():
+    # Registered before Inductor's own registration runs, which skips a device that has one.
+    from torch._inductor.codegen.common import register_backend_for_device
+    from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+
+    register_backend_for_device("tpu", _InductorNeedsTpuBackend, PythonWrapperCodegen)
+
+
 _optimizer_state_on_tpu()
+_claim_inductor_device()
 tpu_backend.reset = _reset  # called by torch._dynamo.reset()
 register_backend(name="tpu", compiler_fn=tpu_backend)
 
