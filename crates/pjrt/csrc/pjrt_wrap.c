@@ -292,6 +292,16 @@ pw_err* pw_buffer_from_host(const void* a, void* client, const void* data, int t
   return NULL;
 }
 
+pw_err* pw_buffer_copy_to_device(const void* a, void* buf, void* device, void** buf_out) {
+  API;
+  ARGS(PJRT_Buffer_CopyToDevice_Args, args);
+  args.buffer = (PJRT_Buffer*)buf;
+  args.dst_device = (PJRT_Device*)device;
+  TRY(CALL(PJRT_Buffer_CopyToDevice, args));
+  *buf_out = args.dst_buffer;
+  return NULL;
+}
+
 pw_err* pw_buffer_destroy(const void* a, void* buf) {
   API;
   ARGS(PJRT_Buffer_Destroy_Args, args);

@@ -43,6 +43,8 @@ pw_err* pw_deserialize(const void* api, void* client, const char* bytes, size_t 
 /* Uploads with kImmutableUntilTransferCompletes and waits until `data` is free. */
 pw_err* pw_buffer_from_host(const void* api, void* client, const void* data, int type,
                             const int64_t* dims, size_t num_dims, void* device, void** buf_out);
+/* A copy of buf on another device of the same client. */
+pw_err* pw_buffer_copy_to_device(const void* api, void* buf, void* device, void** buf_out);
 pw_err* pw_buffer_destroy(const void* api, void* buf);
 pw_err* pw_buffer_meta(const void* api, void* buf, const int64_t** dims, size_t* num_dims,
                        int* type, void** dev);

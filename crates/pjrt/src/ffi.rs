@@ -36,6 +36,7 @@ extern "C" {
     pub fn pw_deserialize(api: Api, client: Handle, bytes: *const c_char, n: usize, options: *const c_char, options_size: usize, exe_out: *mut Handle) -> Err;
 
     pub fn pw_buffer_from_host(api: Api, client: Handle, data: *const c_void, ty: c_int, dims: *const i64, num_dims: usize, device: Handle, buf_out: *mut Handle) -> Err;
+    pub fn pw_buffer_copy_to_device(api: Api, buf: Handle, device: Handle, buf_out: *mut Handle) -> Err;
     pub fn pw_buffer_destroy(api: Api, buf: Handle) -> Err;
     pub fn pw_buffer_meta(api: Api, buf: Handle, dims: *mut *const i64, num_dims: *mut usize, ty: *mut c_int, dev: *mut Handle) -> Err;
     pub fn pw_buffer_on_device_size(api: Api, buf: Handle, n: *mut usize) -> Err;

@@ -597,6 +597,19 @@ impl Buffer {
         self.device
     }
 
+    /// A copy on another device of the client (PJRT_Buffer_CopyToDevice, no host round trip
+    /// where the plugin can avoid one).
+    pub fn copy_to_device(&self, device: usize) -> Result<Buffer> {
+        let c = &self.client;
+        let dev = c.device(device)?;
+        let mut raw: ffi::Handle = ptr::null_mut();
+        // SAFETY: live buffer and device of the same client; `raw` is a valid out pointer.
+        check(unsafe { ffi::pw_buffer_copy_to_device(c.api(), self.raw, dev, &mut raw) })?;
+        let mut b = Buffer::wrap(c, raw);
+        b.load_metadata()?;
+        Ok(b)
+    }
+
     /// Size in bytes of the dense row-major host representation.
     pub fn byte_size(&self) -> usize {
         let elems = self

@@ -50,6 +50,36 @@ pub fn copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
             }
             device_copy(rt, src, dst)
         }
+        (Loc::Device(sp), Loc::Device(dp)) if src.device != dst.device => {
+            // Converted on the source device, then moved by the plugin.
+            // SAFETY: handles from the shim point at live storages.
+            let (source, storage) = unsafe { (&*sp, &*dp) };
+            let n = src.nbytes / sdt.size() as i64;
+            let buf = if sdt == ddt && src.view.sizes == dst.view.sizes && src.view.is_whole(n) {
+                source.buffer_as(rt, sdt)?
+            } else {
+                converted(rt, src, ddt, &dst.view.sizes)?
+            };
+            let moved = rt.copy_to_device(&buf, dst.device)?;
+            if dst.view.is_whole(dst.nbytes / ddt.size() as i64) {
+                return storage.set(Arc::new(moved), ddt);
+            }
+            // Into part of the destination: through the host, written like a CPU source.
+            let mut bytes = rt.download(&moved)?;
+            let host = TensorRef {
+                loc: Loc::Host(bytes.as_mut_ptr()),
+                dtype: Some(ddt),
+                view: View {
+                    sizes: dst.view.sizes.clone(),
+                    strides: lowering::shape::contiguous_strides(&dst.view.sizes),
+                    offset: 0,
+                },
+                nbytes: bytes.len() as i64,
+                wrapped: false,
+                device: 0,
+            };
+            copy(rt, &host, dst)
+        }
         (Loc::Device(_), Loc::Device(_)) => device_copy(rt, src, dst),
         (Loc::Device(sp), Loc::Host(dp)) => {
             // SAFETY: as above.

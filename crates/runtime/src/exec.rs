@@ -1173,12 +1173,12 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
         return Err(Error::runtime(msg));
     }
     let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(prog.inputs.len());
-    let mut device = 0;
+    // Host inputs go to the program's device, also when they come before any device input.
+    let device = prog.exe.device();
     for inp in &prog.inputs {
         match inp {
             Input::Storage { path, dtype } => {
                 let t = tensor_at(params, *path);
-                device = t.device;
                 bufs.push(t.storage().expect("device tensor").buffer_as(rt, *dtype)?);
             }
             Input::Host { path, dtype } => {

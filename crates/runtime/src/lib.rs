@@ -303,6 +303,16 @@ impl Runtime {
         Ok(b)
     }
 
+    /// A copy of `buf` on another device (counted as device-to-device bytes).
+    pub fn copy_to_device(&self, buf: &pjrt::Buffer, device: usize) -> Result<pjrt::Buffer> {
+        let b = buf
+            .copy_to_device(device)
+            .map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
+        self.metrics
+            .add_d2d(b.on_device_size_in_bytes().unwrap_or(0));
+        Ok(b)
+    }
+
     pub fn download(&self, buf: &pjrt::Buffer) -> Result<Vec<u8>> {
         let v = buf
             .to_host_vec()

@@ -24,6 +24,7 @@ pub struct Metrics {
     pub executions: AtomicU64,
     pub h2d_bytes: AtomicU64,
     pub d2h_bytes: AtomicU64,
+    pub d2d_bytes: AtomicU64,
     pub deferred_compilations: AtomicU64,
     pub flushes: AtomicU64,
     pub flushed_ops: AtomicU64,
@@ -83,6 +84,9 @@ impl Metrics {
     pub fn add_d2h(&self, n: usize) {
         self.d2h_bytes.fetch_add(n as u64, Ordering::Relaxed);
     }
+    pub fn add_d2d(&self, n: usize) {
+        self.d2d_bytes.fetch_add(n as u64, Ordering::Relaxed);
+    }
 
     pub fn snapshot(&self) -> Snapshot {
         let ops = self.ops.lock().unwrap_or_else(|e| e.into_inner()).clone();
@@ -98,6 +102,7 @@ impl Metrics {
             ("executions", g(&self.executions)),
             ("host_to_device_bytes", g(&self.h2d_bytes)),
             ("device_to_host_bytes", g(&self.d2h_bytes)),
+            ("device_to_device_bytes", g(&self.d2d_bytes)),
             (
                 "native_calls",
                 ops.values().map(|c| c.native).sum::<u64>() as f64,
@@ -148,6 +153,7 @@ impl Metrics {
             &self.executions,
             &self.h2d_bytes,
             &self.d2h_bytes,
+            &self.d2d_bytes,
             &self.deferred_compilations,
             &self.flushes,
             &self.flushed_ops,
