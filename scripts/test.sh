@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Sets up (see setup.sh) and runs every test: the Rust crates, then the Python suite once per
 # eager mode (Strict, Debug, DeferAndFuse; TORCH_PJRT_TEST_MODES="strict" runs one). The
-# OpInfo dtype sweeps (marker `slow`) run in Strict only, and Debug/DeferAndFuse take the
-# first 3 samples of each OpInfo instead of 8: they test lowerings, which all modes share,
-# and each DeferAndFuse sample compiles its own fused program. Extra arguments go to pytest.
+# OpInfo dtype sweeps (marker `slow`) run in Strict only (TORCH_PJRT_TEST_SWEEPS=0: not at
+# all), and Debug/DeferAndFuse take the first 3 samples of each OpInfo instead of 8: they
+# test lowerings, which all modes share, and each DeferAndFuse sample compiles its own fused
+# program. Extra arguments go to pytest.
 #
 # Each test file (and each OpInfo dtype group) runs in its own process, so one file's compiled
 # programs do not accumulate into the next (XLA:CPU fails after several thousand programs in
@@ -48,10 +49,12 @@ for mode in ${TORCH_PJRT_TEST_MODES:-strict debug defer_and_fuse}; do
   # The OpInfo runs first: they are the longest.
   if (( ${#sel[@]} == 0 )); then
     job "[$mode] tests/test_opinfo.py float32" "${env[@]}" -- -m "not slow" tests/test_opinfo.py "$@"
-    job "[$mode] tests/test_opinfo.py int64/int32/bool" "${env[@]}" -- \
-      -m slow -k "not (bfloat16 or float16)" tests/test_opinfo.py "$@"
-    job "[$mode] tests/test_opinfo.py bfloat16/float16" "${env[@]}" -- \
-      -m slow -k "bfloat16 or float16" tests/test_opinfo.py "$@"
+    if [[ ${TORCH_PJRT_TEST_SWEEPS:-1} != 0 ]]; then
+      job "[$mode] tests/test_opinfo.py int64/int32/bool" "${env[@]}" -- \
+        -m slow -k "not (bfloat16 or float16)" tests/test_opinfo.py "$@"
+      job "[$mode] tests/test_opinfo.py bfloat16/float16" "${env[@]}" -- \
+        -m slow -k "bfloat16 or float16" tests/test_opinfo.py "$@"
+    fi
   else
     job "[$mode] tests/test_opinfo.py" "${env[@]}" -- "${sel[@]}" tests/test_opinfo.py "$@"
   fi
