@@ -257,8 +257,6 @@ def test_copy_tpu_view_to_cpu_view():
     torch.testing.assert_close(dst, c)
 
 
-@pytest.mark.xfail(strict=True, reason="BUG: a.to('tpu:1') keeps its buffer on device 0 "
-                   "(PJRT: input 0 is on device 0, executable on 1)")
 def test_copy_between_tpu_devices():
     a = grid(3, 3).to("tpu:0")
     b = torch.zeros(3, 3, device="tpu:1", dtype=torch.float64)
