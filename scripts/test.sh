@@ -4,7 +4,8 @@
 # OpInfo dtype sweeps (marker `slow`) run in Strict only (TORCH_PJRT_TEST_SWEEPS=0: not at
 # all), and Debug/DeferAndFuse take the first 3 samples of each OpInfo instead of 8: they
 # test lowerings, which all modes share, and each DeferAndFuse sample compiles its own fused
-# program. Extra arguments go to pytest.
+# program. TORCH_PJRT_TEST_FILES="tests/test_a.py ..." runs those files (with the OpInfo
+# runs) instead of every tests/test_*.py. Extra arguments go to pytest.
 #
 # Each test file (and each OpInfo dtype group) runs in its own process, so one file's compiled
 # programs do not accumulate into the next (XLA:CPU fails after several thousand programs in
@@ -58,7 +59,7 @@ for mode in ${TORCH_PJRT_TEST_MODES:-strict debug defer_and_fuse}; do
   else
     job "[$mode] tests/test_opinfo.py" "${env[@]}" -- "${sel[@]}" tests/test_opinfo.py "$@"
   fi
-  for f in tests/test_*.py; do
+  for f in ${TORCH_PJRT_TEST_FILES:-tests/test_*.py}; do
     [[ $f == tests/test_opinfo.py ]] && continue
     job "[$mode] $f" "${env[@]}" -- "${sel[@]}" "$f" "$@"
   done
