@@ -130,9 +130,10 @@ class Float64Twin:
 
     NOISE = 1e-3
 
-    def __init__(self, model, make_opt):
+    def __init__(self, model, make_opt=None):
+        """make_opt: the optimizer the test steps with `self.opt`, if it makes none itself."""
         self.model = copy.deepcopy(model).double()
-        self.opt = make_opt(self.model.parameters())
+        self.opt = make_opt and make_opt(self.model.parameters())
         self.noisy = {n: torch.zeros(p.shape, dtype=torch.bool)
                       for n, p in model.named_parameters()}
 

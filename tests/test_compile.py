@@ -391,7 +391,7 @@ def test_compiled_train_step(opt_name, how, mode):
         return opt, (torch.compile(step, backend="tpu") if compiled else step)
 
     (_, step), (opt_t, step_t) = make_step(cpu_model, False), make_step(tpu_model, True)
-    twin = Float64Twin(cpu_model, make_opt)
+    twin = Float64Twin(cpu_model)
     _, step64 = make_step(twin.model, False)
     x64, y64 = twin.inputs(x, y)
     executions, donated = [], []

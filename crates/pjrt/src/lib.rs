@@ -807,13 +807,6 @@ fn first_so_in(dir: &Path) -> Option<PathBuf> {
     found.into_iter().next()
 }
 
-/// Locates a PJRT plugin.
-///
-/// Makes the C allocator keep freed blocks of up to `bytes` for reuse instead of
-/// unmapping them, in at most four arenas shared by all threads (glibc only; returns whether it
-/// applied). A CPU plugin's buffers are
-/// host memory: without this each new activation buffer pays fresh page faults, which
-/// measured up to half the time of a 1 MB elementwise op.
 /// Whether this process is a child forked after a client was created. The plugin's threads
 /// did not survive the fork: a call into it could wait forever, so the child must make none
 /// (objects it drops are leaked).
@@ -830,6 +823,11 @@ fn watch_fork() {
     });
 }
 
+/// Makes the C allocator keep freed blocks of up to `bytes` for reuse instead of
+/// unmapping them, in at most four arenas shared by all threads (glibc only; returns whether it
+/// applied). A CPU plugin's buffers are
+/// host memory: without this each new activation buffer pays fresh page faults, which
+/// measured up to half the time of a 1 MB elementwise op.
 pub fn keep_freed_host_memory(bytes: usize) -> bool {
     // SAFETY: mallopt only changes allocator thresholds; no pointers are involved.
     unsafe { ffi::pw_keep_freed_host_memory(bytes) != 0 }

@@ -50,48 +50,38 @@ pub fn copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
             }
             device_copy(rt, src, dst)
         }
-        (Loc::Device(sp), Loc::Device(dp)) if src.device != dst.device => {
-            // Converted on the source device, then moved by the plugin.
+        (Loc::Device(_), Loc::Device(dp)) if src.device != dst.device => {
+            // Converted on the source device, moved by the plugin, then written into the
+            // destination's view on its own device.
+            let moved =
+                Arc::new(rt.copy_to_device(&*dense(rt, src, ddt, &dst.view.sizes)?, dst.device)?);
             // SAFETY: handles from the shim point at live storages.
-            let (source, storage) = unsafe { (&*sp, &*dp) };
-            let n = src.nbytes / sdt.size() as i64;
-            let buf = if sdt == ddt && src.view.sizes == dst.view.sizes && src.view.is_whole(n) {
-                source.buffer_as(rt, sdt)?
-            } else {
-                converted(rt, src, ddt, &dst.view.sizes)?
-            };
-            let moved = rt.copy_to_device(&buf, dst.device)?;
+            let storage = unsafe { &*dp };
             if dst.view.is_whole(dst.nbytes / ddt.size() as i64) {
-                return storage.set(Arc::new(moved), ddt);
+                return storage.set(moved, ddt);
             }
-            // Into part of the destination: through the host, written like a CPU source.
-            let mut bytes = rt.download(&moved)?;
-            let host = TensorRef {
-                loc: Loc::Host(bytes.as_mut_ptr()),
+            let tmp = Storage::with_buffer(moved, ddt, dst.device).into_handle();
+            let part = TensorRef {
+                loc: Loc::Device(tmp),
                 dtype: Some(ddt),
                 view: View {
                     sizes: dst.view.sizes.clone(),
                     strides: lowering::shape::contiguous_strides(&dst.view.sizes),
                     offset: 0,
                 },
-                nbytes: bytes.len() as i64,
+                nbytes: dst.view.numel() * ddt.size() as i64,
                 wrapped: false,
-                device: 0,
+                device: dst.device,
             };
-            copy(rt, &host, dst)
+            let r = device_copy(rt, &part, dst);
+            // SAFETY: drops the reference into_handle made; queued or deferred work holds
+            // its own.
+            drop(unsafe { Storage::from_handle(tmp) });
+            r
         }
         (Loc::Device(_), Loc::Device(_)) => device_copy(rt, src, dst),
-        (Loc::Device(sp), Loc::Host(dp)) => {
-            // SAFETY: as above.
-            let storage = unsafe { &*sp };
-            let n = src.nbytes / sdt.size() as i64;
-            let bytes = if sdt == ddt && src.view.sizes == dst.view.sizes && src.view.is_whole(n) {
-                let buf = storage.buffer_as(rt, sdt)?;
-                rt.download(&buf)?
-            } else {
-                let buf = converted(rt, src, ddt, &dst.view.sizes)?;
-                rt.download(&buf)?
-            };
+        (Loc::Device(_), Loc::Host(dp)) => {
+            let bytes = rt.download(&*dense(rt, src, ddt, &dst.view.sizes)?)?;
             // SAFETY: the destination CPU tensor is alive and its view lies in its storage.
             unsafe { host::write(dp, &dst.view, ddt.size(), &bytes) };
             Ok(())
@@ -114,6 +104,22 @@ fn device_copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
         Outcome::Done(_) => Ok(()),
         Outcome::Declined(w) => Err(Error::runtime(format!("copy failed: {w}"))),
         Outcome::Resize(_) => Err(Error::runtime("copy: destination has the wrong shape")),
+    }
+}
+
+/// `src` as a dense buffer of `dtype` and `sizes` on its device: its storage's own buffer
+/// when that already is it, else a converted copy.
+fn dense(rt: &Runtime, src: &TensorRef, dtype: DType, sizes: &[i64]) -> Result<Arc<pjrt::Buffer>> {
+    let sdt = dtype_of(src)?;
+    match src.storage() {
+        Some(s)
+            if sdt == dtype
+                && src.view.sizes == sizes
+                && src.view.is_whole(src.nbytes / sdt.size() as i64) =>
+        {
+            s.buffer_as(rt, sdt)
+        }
+        _ => converted(rt, src, dtype, sizes),
     }
 }
 

@@ -36,7 +36,7 @@ pub struct TensorRef {
 }
 
 impl TensorRef {
-    fn storage(&self) -> Option<&Storage> {
+    pub(crate) fn storage(&self) -> Option<&Storage> {
         match self.loc {
             // SAFETY: the shim passes handles of storages that PyTorch keeps alive for
             // the duration of the call.

@@ -161,6 +161,8 @@ pub struct Runtime {
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
 
+static INIT_LOCK: Mutex<()> = Mutex::new(());
+
 /// XLA options every compilation sets, on the CPU plugin only (where they are verified; the
 /// plugin checks their names at compile time):
 /// - no excess precision: fused programs (DeferAndFuse, torch.compile) round every
@@ -182,7 +184,6 @@ fn compile_overrides(cpu_plugin: bool) -> Vec<(&'static str, pjrt::OptionValue)>
     }
     o
 }
-static INIT_LOCK: Mutex<()> = Mutex::new(());
 
 /// Loads the plugin (see `pjrt::find_plugin`) and creates the client, once.
 pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
@@ -246,7 +247,7 @@ pub fn get() -> Result<&'static Runtime> {
     Ok(rt)
 }
 
-pub const FORKED: &str = "Cannot re-initialize tpu in forked subprocess. To use tpu with \
+const FORKED: &str = "Cannot re-initialize tpu in forked subprocess. To use tpu with \
     multiprocessing, you must use the 'spawn' start method";
 
 /// The number of devices, also in a forked child (read from the client, no plugin call).
