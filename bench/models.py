@@ -87,8 +87,9 @@ def mlp_step(device, seed=0):
     return step
 
 
-def gpt_step(device, seed=0, vocab=256, batch=8, seq=64):
-    """A function running one AdamW training step of the GPT; returns the loss as a float."""
+def gpt_step(device, seed=0, vocab=256, batch=8, seq=64, autocast=None):
+    """A function running one AdamW training step of the GPT; returns the loss as a float.
+    With ``autocast`` (a dtype), the forward runs under ``torch.autocast(device, autocast)``."""
     torch.manual_seed(seed)
     model = GPT(vocab, seq_len=seq).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -97,7 +98,8 @@ def gpt_step(device, seed=0, vocab=256, batch=8, seq=64):
 
     def step():
         opt.zero_grad(set_to_none=True)
-        loss = model.loss(x, y)
+        with torch.autocast(device, dtype=autocast, enabled=autocast is not None):
+            loss = model.loss(x, y)
         loss.backward()
         opt.step()
         return loss.item()

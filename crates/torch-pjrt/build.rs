@@ -19,6 +19,7 @@ fn python() -> String {
 
 fn main() {
     println!("cargo:rerun-if-changed=shim/shim.cpp");
+    println!("cargo:rerun-if-changed=shim/autocast.cpp");
     println!("cargo:rerun-if-changed=shim/tpu_abi.h");
     println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
     let py = python();
@@ -42,6 +43,7 @@ fn main() {
         .cpp(true)
         .std("c++20")
         .file("shim/shim.cpp")
+        .file("shim/autocast.cpp")
         .include(&include)
         .include("shim")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")

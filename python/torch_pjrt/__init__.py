@@ -58,6 +58,9 @@ def _register():
     if not hasattr(torch, "tpu"):
         torch._register_device_module("tpu", _device)
     _patch_printing()
+    from .amp import _install_default_dtype
+
+    _install_default_dtype()
     _claim_composite_ops()
     # Run backward of tpu tensors on the calling thread: autograd's per-device worker
     # threads outlive the interpreter at exit and abort the process when they drop

@@ -9,6 +9,7 @@ import types
 import torch
 
 from . import _C
+from .amp import get_amp_supported_dtype, is_bf16_supported  # noqa: F401
 
 __all__ = [
     "is_available",
@@ -28,6 +29,8 @@ __all__ = [
     "set_rng_state_all",
     "is_initialized",
     "EagerMode",
+    "get_amp_supported_dtype",
+    "is_bf16_supported",
     "set_eager_mode",
 ]
 
@@ -197,10 +200,6 @@ def get_rng_state_all():
 def set_rng_state_all(new_states):
     for i, state in enumerate(new_states):
         set_rng_state(state, i)
-
-
-def get_amp_supported_dtype():
-    return [torch.float16, torch.bfloat16]
 
 
 class _DeviceModule(types.ModuleType):

@@ -214,6 +214,12 @@ impl Builder {
         )
     }
 
+    /// Whether each element of a floating-point `x` is neither infinite nor NaN.
+    pub fn is_finite(&mut self, x: Value) -> Value {
+        let ty = self.ty(x).with_dtype(DType::Bool);
+        self.op("stablehlo.is_finite", &[x], "", ty)
+    }
+
     pub fn select(&mut self, pred: Value, on_true: Value, on_false: Value) -> Value {
         let ty = self.ty(on_true).clone();
         self.op("stablehlo.select", &[pred, on_true, on_false], "", ty)

@@ -39,6 +39,9 @@
 #include <tuple>
 #include <vector>
 
+// autocast.cpp: CUDA's autocast op policy for AutocastPrivateUse1.
+void tpu_register_autocast_policy(torch::Library& m);
+
 namespace {
 
 constexpr c10::DeviceType kTpu = c10::DeviceType::PrivateUse1;
@@ -1202,6 +1205,9 @@ void init_locked() {
   static torch::Library* autocast =
       new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::AutocastPrivateUse1, __FILE__, __LINE__);
   autocast->fallback(torch::CppFunction::makeFallthrough());
+  static torch::Library* policy =
+      new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutocastPrivateUse1, __FILE__, __LINE__);
+  tpu_register_autocast_policy(*policy);
 }
 
 thread_local std::string tl_message;

@@ -4,7 +4,7 @@ use crate::args::Scalar;
 use crate::shape::shape_str;
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value};
 
-use super::nn::opmath;
+use super::opmath;
 use super::{common, mat, Opnd};
 
 /// `beta * self + alpha * prod`, skipping the terms PyTorch skips (beta == 0 ignores self,

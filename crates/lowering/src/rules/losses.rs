@@ -7,7 +7,8 @@
 
 use stablehlo::{CmpDir, ReduceKind};
 
-use super::nn::{loss_grad, opmath, reduce_loss, reduction};
+use super::nn::{loss_grad, reduce_loss, reduction};
+use super::{opmath, take_flat, take_rows};
 use crate::promote::{promote_types, torch_name};
 use crate::shape::{numel, shape_str, wrap_dim};
 use crate::{
@@ -51,18 +52,6 @@ fn float_kernel(x: &TensorArg, kernel: &str) -> LResult<()> {
         DType::F32 | DType::F64 => Ok(()),
         d => not_implemented(kernel, d),
     }
-}
-
-/// Rows `idx[i]` of `table` ([N] indices into dim 0): shape [N, table.shape[1..]].
-fn take_rows(b: &mut Builder, table: Value, idx: Value) -> Value {
-    let ts = b.shape(table);
-    let n = b.shape(idx)[0];
-    let idx = b.convert(idx, DType::I64);
-    let idx = b.reshape(idx, &[n, 1]);
-    let mut sizes = ts.clone();
-    sizes[0] = 1;
-    let offs: Vec<i64> = (1..ts.len() as i64).collect();
-    b.gather(table, idx, &offs, &[0], &[0], 1, &sizes)
 }
 
 /// Combines rows `upd[i]` into `base[idx[i]]`; rows with an index outside `base` are dropped.
@@ -1299,16 +1288,6 @@ fn ctc_args(c: &Ctx) -> LResult<Ctc> {
 fn per_batch(b: &mut Builder, vals: &[i64], shape: &[i64]) -> Value {
     let v = b.constant_vec_i64(vals);
     b.broadcast_in_dim(v, shape, &[0])
-}
-
-/// Elements `flat[idx]` of `x` flattened, shaped like `idx`.
-pub(super) fn take_flat(b: &mut Builder, x: Value, idx: Value) -> Value {
-    let n = numel(&b.shape(x));
-    let shape = b.shape(idx);
-    let flat = b.reshape(x, &[n]);
-    let i = b.reshape(idx, &[numel(&shape)]);
-    let r = take_rows(b, flat, i);
-    b.reshape(r, &shape)
 }
 
 /// log(exp(a) + exp(b) + exp(c)), 0-safe when all are -inf (the CPU kernel's form).

@@ -10,6 +10,7 @@ use crate::promote::{result_type, Operand};
 use crate::shape::broadcast_all;
 use crate::{Builder, Ctx, DType, LResult, Rule, TensorArg, Value};
 
+pub mod amp;
 pub mod decomp;
 pub mod foreach;
 pub mod index;
@@ -37,6 +38,7 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         sorting::RULES,
         decomp::RULES,
         losses::RULES,
+        amp::RULES,
     ]
 }
 
@@ -216,6 +218,36 @@ pub fn scalar_value(c: &mut Ctx, name: &str, like: Value) -> LResult<Option<(Val
         Some(s) => Ok(Some((c.b.full(ty.dtype, &ty.shape, s.as_f64()), s))),
         None => Ok(None),
     }
+}
+
+/// The dtype a kernel accumulates in (PyTorch's opmath type: f32 for f16/bf16).
+pub fn opmath(d: DType) -> DType {
+    match d {
+        DType::F16 | DType::BF16 => DType::F32,
+        d => d,
+    }
+}
+
+/// Rows `idx[i]` of `table` ([N] indices into dim 0): shape [N, table.shape[1..]].
+pub fn take_rows(b: &mut Builder, table: Value, idx: Value) -> Value {
+    let ts = b.shape(table);
+    let n = b.shape(idx)[0];
+    let idx = b.convert(idx, DType::I64);
+    let idx = b.reshape(idx, &[n, 1]);
+    let mut sizes = ts.clone();
+    sizes[0] = 1;
+    let offs: Vec<i64> = (1..ts.len() as i64).collect();
+    b.gather(table, idx, &offs, &[0], &[0], 1, &sizes)
+}
+
+/// Elements `flat[idx]` of `x` flattened, shaped like `idx`.
+pub fn take_flat(b: &mut Builder, x: Value, idx: Value) -> Value {
+    let n = crate::shape::numel(&b.shape(x));
+    let shape = b.shape(idx);
+    let flat = b.reshape(x, &[n]);
+    let i = b.reshape(idx, &[crate::shape::numel(&shape)]);
+    let r = take_rows(b, flat, i);
+    b.reshape(r, &shape)
 }
 
 /// A scalar constant of `like`'s dtype and shape.

@@ -6,7 +6,7 @@
 //! PyTorch's CPU kernels do with their opmath type; where a CPU kernel computes in the
 //! narrow type itself (upsampling weights, grid sampling), the rule rounds the same way.
 
-use super::promote;
+use super::{opmath, promote, take_flat};
 use crate::promote::torch_name;
 use crate::shape::{numel, reduced_shape, shape_str};
 use crate::{
@@ -18,14 +18,6 @@ use stablehlo::{CmpDir, ReduceKind};
 // ---------------------------------------------------------------------------------------
 // Small helpers
 // ---------------------------------------------------------------------------------------
-
-/// The dtype a kernel accumulates in (PyTorch's opmath type: f32 for f16/bf16).
-pub fn opmath(d: DType) -> DType {
-    match d {
-        DType::F16 | DType::BF16 => DType::F32,
-        d => d,
-    }
-}
 
 fn tensor(c: &Ctx, name: &str) -> LResult<TensorArg> {
     Ok(c.args.tensor(name)?.clone())
@@ -2214,7 +2206,7 @@ fn fractional_max_pool(c: &mut Ctx, n: usize) -> LResult<Vec<Out>> {
         let d = b.full(DType::I64, &oshape, delta as f64);
         let idx = b.add(base, d);
         let lin = b.add(plane, idx);
-        let v = super::losses::take_flat(b, x.value, lin);
+        let v = take_flat(b, x.value, lin);
         best = Some(match best {
             None => (v, idx),
             Some((mv, mi)) => {

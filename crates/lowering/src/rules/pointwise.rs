@@ -1,6 +1,6 @@
 //! Pointwise rules: arithmetic, math functions, comparisons, activations and their backward.
 
-use super::nn::opmath;
+use super::opmath;
 use super::{common, mat, opnd, promote, same, scalar_value, Opnd};
 use crate::promote::to_float;
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, Value};
@@ -502,8 +502,7 @@ fn isfinite(b: &mut Builder, x: Value) -> Value {
     if !b.dtype(x).is_float() {
         return b.full(DType::Bool, &b.shape(x), 1.0);
     }
-    let ty = b.ty(x).with_dtype(DType::Bool);
-    b.op("stablehlo.is_finite", &[x], "", ty)
+    b.is_finite(x)
 }
 
 fn isinf(b: &mut Builder, x: Value) -> Value {

@@ -1,6 +1,6 @@
 //! Reductions, scans and softmax.
 
-use super::nn::opmath;
+use super::opmath;
 use crate::promote::torch_name;
 use crate::shape::{reduce_dims, reduced_shape, wrap_dim};
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value};
