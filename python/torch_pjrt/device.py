@@ -10,6 +10,8 @@ import torch
 
 from . import _C
 from .amp import get_amp_supported_dtype, is_bf16_supported  # noqa: F401
+from .memory import *  # noqa: F403
+from .memory import __all__ as _memory_names
 
 __all__ = [
     "is_available",
@@ -33,6 +35,7 @@ __all__ = [
     "is_bf16_supported",
     "set_eager_mode",
 ]
+__all__ += _memory_names
 
 
 class EagerMode(enum.Enum):

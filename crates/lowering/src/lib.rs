@@ -21,6 +21,8 @@ pub enum ErrorKind {
     Type,
     Index,
     NotImplemented,
+    /// torch.OutOfMemoryError (a device allocation refused; see runtime's `memory`).
+    OutOfMemory,
 }
 
 #[derive(Clone, Debug)]

@@ -176,6 +176,16 @@ int pw_keep_freed_host_memory(size_t bytes) {
 #endif
 }
 
+/* Returns freed memory at the top of the heaps and in free chunks to the kernel (the
+   thresholds above keep it otherwise). */
+int pw_trim_host_memory(void) {
+#if defined(__GLIBC__)
+  return malloc_trim(0);
+#else
+  return 0;
+#endif
+}
+
 pw_err* pw_client_create(const void* a, void** client_out) {
   API;
   ARGS(PJRT_Client_Create_Args, args);
@@ -233,6 +243,19 @@ pw_err* pw_device_info(const void* a, void* dev, const char** kind, size_t* kind
   i.device_description = g.device_description;
   TRY(CALL(PJRT_DeviceDescription_Id, i));
   *id = i.id;
+  return NULL;
+}
+
+pw_err* pw_device_memory(const void* a, void* dev, int64_t* in_use, int64_t* peak, int64_t* limit,
+                         int* limit_set) {
+  API;
+  ARGS(PJRT_Device_MemoryStats_Args, m);
+  m.device = (PJRT_Device*)dev;
+  TRY(CALL(PJRT_Device_MemoryStats, m));
+  *in_use = m.bytes_in_use;
+  *peak = m.peak_bytes_in_use_is_set ? m.peak_bytes_in_use : -1;
+  *limit = m.bytes_limit;
+  *limit_set = m.bytes_limit_is_set;
   return NULL;
 }
 

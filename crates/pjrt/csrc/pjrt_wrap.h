@@ -31,6 +31,9 @@ int pw_in_forked_child(void);
 /* which: 0 = platform name, 1 = platform version. */
 pw_err* pw_client_create(const void* api, void** client_out);
 int pw_keep_freed_host_memory(size_t bytes);
+int pw_trim_host_memory(void);
+pw_err* pw_device_memory(const void* api, void* dev, int64_t* in_use, int64_t* peak, int64_t* limit,
+                         int* limit_set);
 pw_err* pw_client_destroy(const void* api, void* client);
 pw_err* pw_client_string(const void* api, void* client, int which, const char** s, size_t* n);
 pw_err* pw_client_devices(const void* api, void* client, void* const** devs, size_t* n);

@@ -28,6 +28,8 @@ extern "C" {
 
     pub fn pw_client_create(api: Api, client_out: *mut Handle) -> Err;
     pub fn pw_keep_freed_host_memory(bytes: usize) -> c_int;
+    pub fn pw_trim_host_memory() -> c_int;
+    pub fn pw_device_memory(api: Api, dev: Handle, in_use: *mut i64, peak: *mut i64, limit: *mut i64, limit_set: *mut c_int) -> Err;
     pub fn pw_client_destroy(api: Api, client: Handle) -> Err;
     pub fn pw_client_string(api: Api, client: Handle, which: c_int, s: *mut *const c_char, n: *mut usize) -> Err;
     pub fn pw_client_devices(api: Api, client: Handle, devs: *mut *const Handle, n: *mut usize) -> Err;

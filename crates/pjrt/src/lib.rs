@@ -363,6 +363,34 @@ impl Client {
         self.inner.device_kinds.get(i).cloned().unwrap_or_default()
     }
 
+    /// The plugin's memory statistics for `device` (`PJRT_Device_MemoryStats`), or None
+    /// where the plugin keeps none (the CPU plugin).
+    pub fn memory_stats(&self, device: usize) -> Result<Option<MemoryStats>> {
+        let c = &self.inner;
+        let dev = c.device(device)?;
+        let (mut in_use, mut peak, mut limit, mut limit_set) = (0i64, -1i64, 0i64, 0);
+        // SAFETY: live client device; every out pointer is valid for the call.
+        let r = check(unsafe {
+            ffi::pw_device_memory(
+                c.api(),
+                dev,
+                &mut in_use,
+                &mut peak,
+                &mut limit,
+                &mut limit_set,
+            )
+        });
+        match r {
+            Ok(()) => Ok(Some(MemoryStats {
+                bytes_in_use: in_use,
+                peak_bytes_in_use: (peak >= 0).then_some(peak),
+                bytes_limit: (limit_set != 0).then_some(limit),
+            })),
+            Err(e) if e.code == code::UNIMPLEMENTED => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Compiles StableHLO MLIR text (with a public `func.func @main`) for `device`.
     pub fn compile(&self, mlir: &str, device: usize) -> Result<Executable> {
         let c = &self.inner;
@@ -831,6 +859,21 @@ fn watch_fork() {
 pub fn keep_freed_host_memory(bytes: usize) -> bool {
     // SAFETY: mallopt only changes allocator thresholds; no pointers are involved.
     unsafe { ffi::pw_keep_freed_host_memory(bytes) != 0 }
+}
+
+/// Gives freed host memory back to the kernel (glibc's `malloc_trim`): with the CPU plugin
+/// device buffers are host memory that `keep_freed_host_memory` keeps for reuse.
+pub fn trim_host_memory() -> bool {
+    // SAFETY: malloc_trim takes no pointers and is thread-safe.
+    unsafe { ffi::pw_trim_host_memory() != 0 }
+}
+
+/// What a plugin reports of a device's memory.
+#[derive(Clone, Copy, Debug)]
+pub struct MemoryStats {
+    pub bytes_in_use: i64,
+    pub peak_bytes_in_use: Option<i64>,
+    pub bytes_limit: Option<i64>,
 }
 
 /// `TORCH_PJRT_PLUGIN` (path to the .so) wins if set. Otherwise the python

@@ -512,6 +512,7 @@ impl Runtime {
             Ok(f) => f,
             Err(outcome) => return Ok(outcome),
         };
+        crate::exec::admit_outputs(&frag.outputs, device)?;
         let gen = params.iter().find_map(|p| match p.arg {
             RArg::Generator(g) => Some(g),
             _ => None,

@@ -1081,6 +1081,18 @@ fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -
 }
 
 /// Strict: queues the op on the worker; its outputs are pending storages.
+/// Refuses an op whose new tensors the device cannot hold, before anything runs.
+pub(crate) fn admit_outputs(outputs: &[Output], device: usize) -> Result<()> {
+    let bytes: i64 = outputs
+        .iter()
+        .map(|o| match o {
+            Output::New { dtype, sizes } => sizes.iter().product::<i64>() * dtype.size() as i64,
+            _ => 0,
+        })
+        .sum();
+    crate::memory::admit(device, bytes)
+}
+
 fn execute_async(
     rt: &Runtime,
     op: &str,
@@ -1088,6 +1100,7 @@ fn execute_async(
     params: &[Param],
     device: usize,
 ) -> Result<Vec<Ret>> {
+    admit_outputs(&prog.outputs, device)?;
     let mut inputs = Vec::with_capacity(prog.inputs.len());
     for inp in &prog.inputs {
         match inp {
@@ -1175,6 +1188,7 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
     let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(prog.inputs.len());
     // Host inputs go to the program's device, also when they come before any device input.
     let device = prog.exe.device();
+    admit_outputs(&prog.outputs, device)?;
     for inp in &prog.inputs {
         match inp {
             Input::Storage { path, dtype } => {

@@ -15,6 +15,7 @@ pub mod diskcache;
 pub mod exec;
 pub mod host;
 pub mod layout;
+pub mod memory;
 pub mod metrics;
 pub mod mode;
 pub mod storage;
@@ -271,6 +272,29 @@ impl Runtime {
         Ok(self
             .client
             .buffer_from_host(bytes, dtype_to_pjrt(dtype), dims, device)?)
+    }
+
+    /// A buffer of `elems` zeros: uploaded from the host when small, computed on the device
+    /// when large (no host copy as big as the buffer; the program is cached on disk).
+    pub fn zeros(&self, dtype: DType, elems: i64, device: usize) -> Result<pjrt::Buffer> {
+        let n = elems * dtype.size() as i64;
+        if n < 64 << 20 {
+            let mut v = Vec::new();
+            v.try_reserve_exact(n as usize).map_err(|_| {
+                Error::new(
+                    ErrorKind::OutOfMemory,
+                    format!("tpu out of memory: cannot make {n} bytes of zeros"),
+                )
+            })?;
+            v.resize(n as usize, 0);
+            return self.upload(&v, dtype, &[elems], device);
+        }
+        let mut b = stablehlo::Builder::new();
+        let z = b.full(dtype, &[elems], 0.0);
+        let exe = self.compile(&b.finish(&[z]), device, false)?;
+        let mut out = exe.execute(&[])?;
+        out.pop()
+            .ok_or_else(|| Error::runtime("the zeros program returned nothing"))
     }
 
     /// A host tensor's contiguous bytes as a device buffer; scalars come from a small cache.

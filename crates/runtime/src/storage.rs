@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use stablehlo::DType;
 
-use crate::{Error, Result, Runtime};
+use crate::{memory, Error, ErrorKind, Result, Runtime};
 
 pub struct Storage {
     pub device: usize,
@@ -18,6 +18,9 @@ pub struct Storage {
     lazy: AtomicBool,
     /// The Strict worker's job that writes its next value (0: none pending).
     pending: AtomicU64,
+    /// Its bytes count in `memory` (from creation until PyTorch lets go of it or it drops:
+    /// a deferred graph may keep a dead tensor's storage until it runs).
+    counted: AtomicBool,
 }
 
 struct Inner {
@@ -29,7 +32,17 @@ struct Inner {
 }
 
 impl Storage {
+    /// A storage of `nbytes` on `device`, or an out-of-memory error if the device cannot
+    /// hold it (see `memory::admit`); nothing is allocated until it is first written.
+    pub fn alloc(nbytes: i64, device: usize) -> Result<Storage> {
+        memory::admit(device, nbytes)?;
+        Ok(Storage::new(nbytes, device))
+    }
+
+    /// A storage counted without admission (its bytes are accounted for elsewhere, or the
+    /// caller checked them).
     pub fn new(nbytes: i64, device: usize) -> Storage {
+        memory::on_alloc(device, nbytes);
         Storage {
             device,
             inner: Mutex::new(Inner {
@@ -39,11 +52,13 @@ impl Storage {
             }),
             lazy: AtomicBool::new(false),
             pending: AtomicU64::new(0),
+            counted: AtomicBool::new(true),
         }
     }
 
     pub fn with_buffer(buf: Arc<pjrt::Buffer>, dtype: DType, device: usize) -> Storage {
         let n = buf.dims().iter().product::<i64>() * dtype.size() as i64;
+        memory::on_alloc(device, n);
         Storage {
             device,
             inner: Mutex::new(Inner {
@@ -53,6 +68,7 @@ impl Storage {
             }),
             lazy: AtomicBool::new(false),
             pending: AtomicU64::new(0),
+            counted: AtomicBool::new(true),
         }
     }
 
@@ -79,6 +95,19 @@ impl Storage {
         unsafe {
             Arc::increment_strong_count(h);
             Arc::from_raw(h)
+        }
+    }
+
+    /// PyTorch freed its tensor storage: its bytes no longer count (once).
+    pub fn uncount(&self) {
+        if self.counted.swap(false, Ordering::AcqRel) {
+            memory::on_free(self.device, self.nbytes());
+        }
+    }
+
+    fn resized(&self, old: i64, new: i64) {
+        if self.counted.load(Ordering::Acquire) {
+            memory::on_resize(self.device, old, new);
         }
     }
 
@@ -223,11 +252,15 @@ impl Storage {
                 "storage of {n} bytes cannot be viewed as {dtype:?} elements"
             )));
         }
-        let bytes = match &g.buf {
-            Some((b, _)) => rt.download(b)?,
-            None => vec![0u8; n as usize],
+        let elems = n / dtype.size() as i64;
+        let buf = match &g.buf {
+            Some((b, _)) => {
+                let bytes = rt.download(b)?;
+                rt.upload(&bytes, dtype, &[elems], self.device)?
+            }
+            None => rt.zeros(dtype, elems, self.device)?,
         };
-        let buf = Arc::new(rt.upload(&bytes, dtype, &[n / dtype.size() as i64], self.device)?);
+        let buf = Arc::new(buf);
         g.buf = Some((buf.clone(), dtype));
         Ok(buf)
     }
@@ -247,10 +280,14 @@ impl Storage {
         match cur {
             Some((b, _)) => {
                 let mut v = rt.download(&b)?;
-                v.resize(n, 0);
+                host_resize(&mut v, n)?;
                 Ok(v)
             }
-            None => Ok(vec![0u8; n]),
+            None => {
+                let mut v = Vec::new();
+                host_resize(&mut v, n)?;
+                Ok(v)
+            }
         }
     }
 
@@ -260,6 +297,7 @@ impl Storage {
         let n = bytes.len() as i64;
         let buf = Arc::new(rt.upload(bytes, DType::U8, &[n], self.device)?);
         let mut g = self.lock();
+        self.resized(g.nbytes, n);
         g.nbytes = n;
         g.buf = Some((buf, DType::U8));
         Ok(())
@@ -271,12 +309,38 @@ impl Storage {
         if nbytes == old {
             return Ok(());
         }
+        if nbytes > old {
+            memory::admit(self.device, nbytes - old)?;
+        }
         if self.current()?.is_none() {
-            self.lock().nbytes = nbytes;
+            let mut g = self.lock();
+            self.resized(g.nbytes, nbytes);
+            g.nbytes = nbytes;
             return Ok(());
         }
         let mut bytes = self.bytes(rt)?;
-        bytes.resize(nbytes as usize, 0);
+        host_resize(&mut bytes, nbytes as usize)?;
         self.set_bytes(rt, &bytes)
     }
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        self.uncount();
+    }
+}
+
+/// Resizes a host copy, zero-filling, with an out-of-memory error instead of an abort when
+/// the host cannot hold it.
+fn host_resize(v: &mut Vec<u8>, n: usize) -> Result<()> {
+    if n > v.len() {
+        v.try_reserve_exact(n - v.len()).map_err(|_| {
+            Error::new(
+                ErrorKind::OutOfMemory,
+                format!("tpu out of memory: cannot make a host copy of {n} bytes"),
+            )
+        })?;
+    }
+    v.resize(n, 0);
+    Ok(())
 }

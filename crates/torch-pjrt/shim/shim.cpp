@@ -26,6 +26,7 @@
 #include <ATen/ops/view_as_real_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
 
@@ -70,6 +71,8 @@ void clear_error(TpuError& e) {
       TORCH_CHECK_INDEX(false, m);
     case TPU_ERR_NOT_IMPLEMENTED:
       TORCH_CHECK_NOT_IMPLEMENTED(false, m);
+    case TPU_ERR_OUT_OF_MEMORY:
+      TORCH_CHECK_WITH(OutOfMemoryError, false, m);
     default:
       TORCH_CHECK(false, m);
   }
@@ -115,14 +118,55 @@ void tpu_deleter(void* handle) {
 }
 
 c10::DataPtr new_handle(size_t nbytes, c10::DeviceIndex dev) {
-  void* h = tpu_rs_storage_new(static_cast<int64_t>(nbytes), dev);
-  TORCH_CHECK(h != nullptr, "tpu: failed to allocate ", nbytes, " bytes on tpu:", int(dev));
+  TpuError err;
+  clear_error(err);
+  void* h = tpu_rs_storage_new(static_cast<int64_t>(nbytes), dev, &err);
+  if (h == nullptr) throw_tpu_error(err);
   return c10::DataPtr(h, h, &tpu_deleter, c10::Device(kTpu, dev));
 }
 
-struct TpuAllocator final : c10::Allocator {
+// A DeviceAllocator, so that torch.accelerator.memory_* reach Rust's accounting
+// (runtime's memory.rs); PJRT owns the buffers, there is no cache of our own.
+struct TpuAllocator final : c10::DeviceAllocator {
   c10::DataPtr allocate(size_t n) override { return new_handle(n, tl_device); }
   c10::DeleterFnPtr raw_deleter() const override { return &tpu_deleter; }
+  bool initialized() override { return true; }
+  void emptyCache(c10::MempoolId_t) override {
+    TpuError err;
+    clear_error(err);
+    if (tpu_rs_empty_cache(&err) != 0) throw_tpu_error(err);
+  }
+  // A storage's buffer lives as long as the queued work that reads it holds it.
+  void recordStream(const c10::DataPtr&, c10::Stream) override {}
+  c10::CachingDeviceAllocator::DeviceStats getDeviceStats(c10::DeviceIndex d) override {
+    int64_t v[12];
+    tpu_rs_memory_stats(d, v);
+    c10::CachingDeviceAllocator::DeviceStats s;
+    auto fill = [](c10::CachingAllocator::StatArray& a, const int64_t* q) {
+      auto& st = a[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+      st.current = q[0];
+      st.peak = q[1];
+      st.allocated = q[2];
+      st.freed = q[3];
+    };
+    fill(s.allocated_bytes, v);
+    fill(s.active_bytes, v);
+    fill(s.requested_bytes, v);
+    fill(s.allocation, v + 4);
+    fill(s.active, v + 4);
+    auto& r = s.reserved_bytes[static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE)];
+    r.current = v[8];
+    r.peak = v[9];
+    s.num_ooms = v[10];
+    return s;
+  }
+  void resetAccumulatedStats(c10::DeviceIndex d) override { tpu_rs_memory_reset(d, 1); }
+  void resetPeakStats(c10::DeviceIndex d) override { tpu_rs_memory_reset(d, 0); }
+  std::pair<size_t, size_t> getMemoryInfo(c10::DeviceIndex d) override {
+    int64_t free_bytes = 0, total = 0;
+    tpu_rs_memory_info(d, &free_bytes, &total);
+    return {static_cast<size_t>(free_bytes), static_cast<size_t>(total)};
+  }
   // dest/src are DataPtr data pointers, i.e. handles.
   void copy_data(void* dest, const void* src, std::size_t count) const override {
     TpuError err;

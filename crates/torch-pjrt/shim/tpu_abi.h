@@ -102,6 +102,7 @@ enum TpuErrorKind {
   TPU_ERR_TYPE = 2,       // TypeError
   TPU_ERR_INDEX = 3,      // IndexError
   TPU_ERR_NOT_IMPLEMENTED = 4,  // NotImplementedError
+  TPU_ERR_OUT_OF_MEMORY = 5,    // torch.OutOfMemoryError
 };
 
 #define TPU_ERR_MSG_LEN 2048
@@ -133,8 +134,19 @@ int32_t tpu_rs_dispatch(const char* op_name, const char* overload, int32_t nargs
 // (more than max_rets outputs: nrets says how many, nothing ran) or TPU_ERROR.
 int32_t tpu_rs_graph_replay(int64_t graph, const int64_t* key, int64_t nkey, void* const* inputs, int64_t ninputs,
                             int32_t max_rets, int32_t* nrets, TpuRet* rets, int64_t* program, TpuError* err);
-// Storage handles: a DataPtr's data and context are the handle.
-void* tpu_rs_storage_new(int64_t nbytes, int32_t device_index);
+// Storage handles: a DataPtr's data and context are the handle. NULL with err set when
+// the device cannot hold nbytes.
+void* tpu_rs_storage_new(int64_t nbytes, int32_t device_index, TpuError* err);
+// Memory statistics of a device (see runtime's memory.rs): out[0..4] bytes of live storages
+// (current, peak, allocated and freed in total), out[4..8] the same for their number,
+// out[8] reserved bytes, out[9] their peak, out[10] out-of-memory errors, out[11] limit.
+void tpu_rs_memory_stats(int32_t device_index, int64_t* out);
+// Resets the peaks (accumulated = 0) or the totals (accumulated = 1).
+void tpu_rs_memory_reset(int32_t device_index, int32_t accumulated);
+// Free and total bytes of the device.
+void tpu_rs_memory_info(int32_t device_index, int64_t* free_bytes, int64_t* total_bytes);
+// Waits for queued work (its freed buffers go) and returns freed host memory to the system.
+int32_t tpu_rs_empty_cache(TpuError* err);
 void tpu_rs_storage_free(void* handle);
 // Copies nbytes between storages (allocator copy_data). Returns 0 or sets err.
 int32_t tpu_rs_storage_copy(void* dst, void* src, int64_t nbytes, TpuError* err);

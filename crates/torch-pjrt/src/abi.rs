@@ -134,6 +134,7 @@ pub fn err_kind_code(k: ErrorKind) -> i32 {
         ErrorKind::Type => 2,
         ErrorKind::Index => 3,
         ErrorKind::NotImplemented => 4,
+        ErrorKind::OutOfMemory => 5,
     }
 }
 

@@ -444,6 +444,12 @@ pub unsafe extern "C" fn tpu_rs_graph_replay(
         if c.outputs.len() > max_rets.max(0) as usize {
             return Ok(NEED_RESIZE);
         }
+        let bytes: i64 = c
+            .outputs
+            .iter()
+            .map(|(dt, s)| s.iter().product::<i64>() * dt.size() as i64)
+            .sum();
+        runtime::memory::admit(c.device, bytes)?;
         let outs: Vec<*const Storage> = c
             .outputs
             .iter()

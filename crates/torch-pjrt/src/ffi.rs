@@ -191,8 +191,71 @@ pub unsafe extern "C" fn tpu_rs_dispatch(
 }
 
 #[no_mangle]
-pub extern "C" fn tpu_rs_storage_new(nbytes: i64, device_index: i32) -> *mut c_void {
-    Storage::new(nbytes, device_index.max(0) as usize).into_handle() as *mut c_void
+pub unsafe extern "C" fn tpu_rs_storage_new(
+    nbytes: i64,
+    device_index: i32,
+    err: *mut TpuError,
+) -> *mut c_void {
+    let mut h: *mut c_void = std::ptr::null_mut();
+    guarded(err, "allocation", || {
+        h = Storage::alloc(nbytes, device_index.max(0) as usize)?.into_handle() as *mut c_void;
+        Ok(OK)
+    });
+    h
+}
+
+#[no_mangle]
+pub extern "C" fn tpu_rs_memory_stats(device_index: i32, out: *mut i64) {
+    let s = runtime::memory::stats(device_index.max(0) as usize);
+    let vals = [
+        s.bytes[0],
+        s.bytes[1],
+        s.bytes[2],
+        s.bytes[3],
+        s.count[0],
+        s.count[1],
+        s.count[2],
+        s.count[3],
+        s.reserved,
+        s.reserved_peak,
+        s.ooms,
+        s.limit,
+    ];
+    // SAFETY: the ABI gives room for 12 values.
+    unsafe { std::ptr::copy_nonoverlapping(vals.as_ptr(), out, vals.len()) };
+}
+
+#[no_mangle]
+pub extern "C" fn tpu_rs_memory_reset(device_index: i32, accumulated: i32) {
+    let d = device_index.max(0) as usize;
+    if accumulated != 0 {
+        runtime::memory::reset_accumulated(d);
+    } else {
+        runtime::memory::reset_peak(d);
+    }
+}
+
+/// # Safety
+/// Valid out pointers.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_memory_info(device_index: i32, free: *mut i64, total: *mut i64) {
+    let (f, t) = runtime::memory::capacity(device_index.max(0) as usize);
+    // SAFETY: valid out pointers per the ABI.
+    unsafe {
+        *free = f;
+        *total = t;
+    }
+}
+
+/// # Safety
+/// Valid error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_empty_cache(err: *mut TpuError) -> i32 {
+    guarded(err, "empty_cache", || {
+        rt()?.synchronize()?;
+        pjrt::trim_host_memory();
+        Ok(OK)
+    })
 }
 
 /// # Safety
@@ -204,7 +267,8 @@ pub unsafe extern "C" fn tpu_rs_storage_free(handle: *mut c_void) {
     }
     let _ = catch_unwind(AssertUnwindSafe(|| {
         // SAFETY: the handle holds one reference, released exactly once (DataPtr deleter).
-        drop(unsafe { Storage::from_handle(handle as *const Storage) });
+        let s = unsafe { Storage::from_handle(handle as *const Storage) };
+        s.uncount();
     }));
 }
 

@@ -67,6 +67,17 @@ pub(crate) fn py_err(e: runtime::Error) -> PyErr {
         runtime::ErrorKind::Type => PyTypeError::new_err(e.msg),
         runtime::ErrorKind::NotImplemented => PyNotImplementedError::new_err(e.msg),
         runtime::ErrorKind::Runtime => PyRuntimeError::new_err(e.msg),
+        runtime::ErrorKind::OutOfMemory => Python::with_gil(|py| {
+            let cls = py
+                .import("torch")
+                .and_then(|t| t.getattr("OutOfMemoryError"))
+                .ok()
+                .and_then(|c| c.downcast_into::<pyo3::types::PyType>().ok());
+            match cls {
+                Some(cls) => PyErr::from_type(cls, e.msg),
+                None => PyRuntimeError::new_err(e.msg),
+            }
+        }),
     }
 }
 
@@ -96,6 +107,12 @@ fn _init(search_dirs: Vec<String>) -> PyResult<()> {
         )));
     }
     Ok(())
+}
+
+/// Limits `device`'s tensors to `fraction` of its memory (torch.OutOfMemoryError past it).
+#[pyfunction]
+fn set_memory_fraction(device: usize, fraction: f64) -> PyResult<()> {
+    runtime::memory::set_fraction(device, fraction).map_err(py_err)
 }
 
 #[pyfunction]
@@ -320,6 +337,7 @@ fn lowering_names() -> Vec<&'static str> {
 fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_init, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(in_bad_fork, m)?)?;
     m.add_function(wrap_pyfunction!(platform_name, m)?)?;
     m.add_function(wrap_pyfunction!(device_kind, m)?)?;
