@@ -11,13 +11,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import machine  # noqa: E402
+import harness  # noqa: E402
 
 BLOCK = 5
 CONFIGS = [  # (device, eager mode, autocast)
@@ -55,10 +54,7 @@ def worker(device, mode, amp, warmup, reps):
 def run(cfg, warmup, reps):
     device, mode, amp = cfg
     cmd = [sys.executable, __file__, "--worker", device, str(mode), str(int(amp))]
-    subprocess.run(cmd + [str(warmup), "0"], capture_output=True, text=True, check=True)
-    out = subprocess.run(cmd + [str(warmup), str(reps)], capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return harness.primed_run(cmd, warmup, reps)
 
 
 def main():
@@ -71,7 +67,7 @@ def main():
         worker(device, mode, amp == "1", int(warmup), int(reps))
         return
     warmup, reps = (3, 5) if a.quick else (5, 15)
-    print(f"GPT step, bf16 autocast vs float32 ({machine.describe()})")
+    print(f"GPT step, bf16 autocast vs float32 ({harness.describe()})")
     print(f"{'config':<24} {'ms/step':>9} {'range':>15} {'amp vs fp32':>12} {'vs CPU fp32':>12}")
     res = {cfg: run(cfg, warmup, reps) for cfg in CONFIGS}
     cpu = res[("cpu", None, False)]["ms"]

@@ -15,11 +15,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import harness  # noqa: E402
 
 BLOCK = 5
 MODES = {"strict": "DEFER_NEVER", "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING",
@@ -67,13 +68,9 @@ def worker(model, mode, warmup, reps):
 
 
 def run(model, mode, warmup, reps):
-    cmd = [sys.executable, __file__, "--worker", model, mode]
     # Priming: the same warm-up steps, so that every program the measured run needs (a
     # training loop's first steps build different graphs) is in the disk cache.
-    subprocess.run(cmd + [str(warmup), "0"], capture_output=True, text=True, check=True)
-    out = subprocess.run(cmd + [str(warmup), str(reps)], capture_output=True, text=True,
-                         check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return harness.primed_run([sys.executable, __file__, "--worker", model, mode], warmup, reps)
 
 
 def main():
@@ -87,7 +84,7 @@ def main():
         return
     warmup, reps = (3, 5) if a.quick else (5, 15)
     load = os.getloadavg()[0]
-    print(f"eager modes (load average {load:.1f} on {os.cpu_count()} cores)")
+    print(f"eager modes ({harness.describe()})")
     print(f"{'step':<10} {'config':<16} {'ms/step':>9} {'steps/s':>8} {'vs Strict':>10} "
           f"{'vs CPU':>7} {'peak RSS MB':>12}")
     for model in ("gpt", "mlp", "tiny_ops", "small_ops"):
