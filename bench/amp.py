@@ -12,7 +12,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -36,19 +35,9 @@ def worker(device, mode, amp, warmup, reps):
         torch.tpu.eager_mode = getattr(torch.tpu.EagerMode, mode)
     step = models.gpt_step(device, autocast=torch.bfloat16 if amp else None)
     sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
-    for _ in range(warmup):
-        step()
-    sync()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(BLOCK):
-            loss = step()
-        sync()
-        times.append((time.perf_counter() - t) / BLOCK * 1e3)
+    times = harness.block_times(step, sync, warmup, reps, BLOCK)
     if times:
-        print(json.dumps({"ms": statistics.median(times), "lo": min(times), "hi": max(times),
-                          "loss": loss}))
+        print(json.dumps({"ms": statistics.median(times), "lo": min(times), "hi": max(times)}))
 
 
 def run(cfg, warmup, reps):

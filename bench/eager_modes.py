@@ -16,7 +16,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -52,19 +51,10 @@ def worker(model, mode, warmup, reps):
     else:
         step = getattr(models, f"{model}_step")(device)
     sync = torch.tpu.synchronize if device == "tpu" else (lambda: None)
-    for _ in range(warmup):
-        step()
-    sync()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        for _ in range(BLOCK):
-            step()
-        sync()
-        times.append((time.perf_counter() - t) / BLOCK)
+    times = harness.block_times(step, sync, warmup, reps, BLOCK)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     if times:
-        print(json.dumps({"ms": statistics.median(times) * 1e3, "rss_mb": rss}))
+        print(json.dumps({"ms": statistics.median(times), "rss_mb": rss}))
 
 
 def run(model, mode, warmup, reps):

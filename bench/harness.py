@@ -32,3 +32,21 @@ def primed_run(cmd, warmup, reps):
     out = subprocess.run(cmd + [str(warmup), str(reps)], capture_output=True, text=True,
                          check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def block_times(step, sync, warmup, reps, block):
+    """Warm throughput: ``warmup`` steps, then ``reps`` blocks of ``block`` back-to-back steps
+    each ending with ``sync()``; returns ms per step of each block."""
+    import time
+
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        for _ in range(block):
+            step()
+        sync()
+        times.append((time.perf_counter() - t) / block * 1e3)
+    return times
