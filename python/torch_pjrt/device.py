@@ -12,6 +12,8 @@ from . import _C
 from .amp import get_amp_supported_dtype, is_bf16_supported  # noqa: F401
 from .memory import *  # noqa: F403
 from .memory import __all__ as _memory_names
+from .streams import *  # noqa: F403
+from .streams import __all__ as _stream_names
 
 __all__ = [
     "is_available",
@@ -35,7 +37,7 @@ __all__ = [
     "is_bf16_supported",
     "set_eager_mode",
 ]
-__all__ += _memory_names
+__all__ += _memory_names + _stream_names
 
 
 class EagerMode(enum.Enum):
@@ -145,7 +147,7 @@ class device:
 
 
 def synchronize(dev=None):
-    """Waits for every op issued so far; raises the first device error."""
+    """Waits for every op issued so far, on every stream; raises the first device error."""
     _C.synchronize()
 
 

@@ -30,6 +30,62 @@ fn dtype_of(t: &TensorRef) -> Result<DType> {
     })
 }
 
+/// `dst.copy_(src, non_blocking=True)` from the host: in Strict mode, a plain copy of a
+/// dense CPU tensor into a fresh tpu tensor (what `.to("tpu", non_blocking=True)` makes) is
+/// uploaded by the current stream's thread, so a copy issued on a side stream overlaps the
+/// default stream's work; `host` owns the CPU tensor until then (as with CUDA's pinned
+/// memory, the caller must not modify it before the stream has run the copy). Anything
+/// else copies now.
+pub fn copy_nonblocking(
+    rt: &'static Runtime,
+    src: &TensorRef,
+    dst: &TensorRef,
+    mut host: crate::worker::HostSource,
+) -> Result<()> {
+    let (sdt, ddt) = (dtype_of(src)?, dtype_of(dst)?);
+    if let (Loc::Host(sp), Loc::Device(dp)) = (src.loc, dst.loc) {
+        // SAFETY: handles from the shim point at live storages.
+        let storage = unsafe { &*dp };
+        let n = dst.nbytes / ddt.size() as i64;
+        let fresh = !storage.is_lazy() && !storage.is_pending() && !storage.is_written();
+        if crate::mode::get() == crate::mode::EagerMode::Strict
+            && fresh
+            && sdt == ddt
+            && src.view.sizes == dst.view.sizes
+            && src.view.is_contiguous()
+            && dst.view.is_whole(n)
+            && n > 0
+        {
+            // SAFETY: the view is contiguous inside the CPU storage PyTorch keeps alive
+            // (`host` holds a reference until the job has read it).
+            host.ptr = unsafe { sp.add((src.view.offset * sdt.size() as i64) as usize) };
+            host.len = (n * ddt.size() as i64) as usize;
+            // SAFETY: the shim's handle is alive for the call; the job keeps its own Arc.
+            let target = unsafe { Storage::share(dp) };
+            let device = dst.device;
+            rt.worker.submit(move |seq| {
+                target.mark_pending(seq);
+                crate::worker::Job {
+                    op: "aten::copy_ (non_blocking)".into(),
+                    work: crate::worker::Work::Upload {
+                        src: host,
+                        dtype: ddt,
+                        dims: vec![n],
+                        device,
+                    },
+                    inputs: Vec::new(),
+                    outputs: vec![(target, ddt)],
+                    new_outputs: 0,
+                    deps: Vec::new(),
+                }
+            })?;
+            return Ok(());
+        }
+    }
+    drop(host);
+    copy(rt, src, dst)
+}
+
 /// `dst.copy_(src)`: any mix of host and device, with dtype conversion and broadcasting.
 pub fn copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
     let (sdt, ddt) = (dtype_of(src)?, dtype_of(dst)?);

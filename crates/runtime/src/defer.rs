@@ -1230,7 +1230,7 @@ impl Runtime {
             checks: c.checks.clone(),
             precheck: None,
         };
-        let worker: &'static crate::worker::Worker = &crate::get()?.worker;
+        let worker: &'static crate::worker::Streams = &crate::get()?.worker;
         worker.submit_graph("compiled graph", work, job_inputs, targets, c.outputs.len())
     }
 

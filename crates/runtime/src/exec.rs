@@ -1142,7 +1142,7 @@ fn execute_async(
         }
     }
     let mut new = Vec::new();
-    let worker: &'static crate::worker::Worker = &crate::get()?.worker;
+    let worker: &'static crate::worker::Streams = &crate::get()?.worker;
     worker.submit(|seq| {
         let mut outputs = Vec::with_capacity(prog.outputs.len());
         for o in &prog.outputs {
@@ -1176,6 +1176,7 @@ fn execute_async(
             inputs,
             new_outputs: new.len(),
             outputs,
+            deps: Vec::new(),
         }
     })?;
     Ok(new)

@@ -19,6 +19,7 @@ pub mod memory;
 pub mod metrics;
 pub mod mode;
 pub mod storage;
+pub mod stream;
 pub mod worker;
 
 pub use exec::{dispatch, Outcome, Param, RArg, Ret, TensorRef};
@@ -149,8 +150,8 @@ pub struct Runtime {
     pub disk: diskcache::DiskCache,
     pub metrics: metrics::Metrics,
     pub defer: defer::Deferred,
-    /// Strict mode's executor thread.
-    pub worker: worker::Worker,
+    /// Strict mode's executor threads: the default stream and the side streams.
+    pub worker: worker::Streams,
     /// Recently uploaded 0-d host inputs (Python scalars), by (device, dtype, bits): buffers
     /// are immutable, so ops passing the same scalar share one upload.
     scalars: Mutex<std::collections::HashMap<(usize, DType, u64), Arc<pjrt::Buffer>>>,
@@ -226,7 +227,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         cache: cache::Cache::default(),
         metrics: metrics::Metrics::default(),
         defer: defer::Deferred::new(devices, cpu_plugin),
-        worker: worker::Worker::default(),
+        worker: worker::Streams::default(),
         scalars: Mutex::new(std::collections::HashMap::new()),
         pending: Mutex::new(Vec::new()),
         checks: Mutex::new(Vec::new()),

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use crate::{Error, ErrorKind, Result};
 
 /// Device slots (the shim's own bound on device indices).
-const MAX_DEVICES: usize = 64;
+const MAX_DEVICES: usize = 128;
 
 /// Storages from this size on are checked against the device's free memory (reading it
 /// costs a system call; smaller ones cannot exhaust a machine before the limit check).
@@ -245,7 +245,7 @@ mod tests {
 
     #[test]
     fn counts_peaks_and_limits() {
-        let d = 63; // a slot no other test uses
+        let d = MAX_DEVICES - 1; // a slot no other test uses
         on_alloc(d, 100);
         on_alloc(d, 50);
         on_free(d, 100);

@@ -11,6 +11,20 @@ use stablehlo::DType;
 
 use crate::{memory, Error, ErrorKind, Result, Runtime};
 
+thread_local! {
+    /// While a job is being queued: the pending marks its outputs replaced.
+    static MARKS: std::cell::RefCell<Option<Vec<u64>>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Runs `f` (which queues a job and marks its outputs pending), returning its result and
+/// the earlier jobs whose pending marks it replaced.
+pub(crate) fn collect_marks<T>(f: impl FnOnce() -> T) -> (T, Vec<u64>) {
+    MARKS.with(|m| *m.borrow_mut() = Some(Vec::new()));
+    let r = f();
+    let prev = MARKS.with(|m| m.borrow_mut().take()).unwrap_or_default();
+    (r, prev)
+}
+
 pub struct Storage {
     pub device: usize,
     inner: Mutex<Inner>,
@@ -119,6 +133,11 @@ impl Storage {
         self.lazy.store(true, Ordering::Release);
     }
 
+    /// The (tagged) number of the worker job that writes its next value, 0 if none.
+    pub(crate) fn pending_seq(&self) -> u64 {
+        self.pending.load(Ordering::Acquire)
+    }
+
     /// A worker job will write its next value.
     pub(crate) fn is_pending(&self) -> bool {
         self.pending.load(Ordering::Acquire) != 0
@@ -126,7 +145,14 @@ impl Storage {
 
     /// Its next value comes from the worker's job `seq`.
     pub(crate) fn mark_pending(&self, seq: u64) {
-        self.pending.store(seq, Ordering::Release);
+        let prev = self.pending.swap(seq, Ordering::AcqRel);
+        if prev != 0 {
+            MARKS.with(|m| {
+                if let Some(v) = m.borrow_mut().as_mut() {
+                    v.push(prev);
+                }
+            });
+        }
     }
 
     /// The worker's job `seq` produced the value.

@@ -1,5 +1,14 @@
-//! Strict mode's asynchrony: ops are executed by one worker thread, in the order Python
-//! issued them, while the Python thread goes on dispatching.
+//! Strict mode's asynchrony: ops are executed by worker threads, one per stream, each in the
+//! order Python issued them, while the Python thread goes on dispatching.
+//!
+//! Streams (`Streams`): stream 0 is every device's default stream; `torch.tpu.Stream`s
+//! share a pool of side streams. A job's sequence number carries its stream in the high
+//! bits (`tag`), so a pending storage says which stream's job fills it. A job that reads a
+//! storage another stream is still computing waits for that job before it runs (the
+//! dependency is taken when the job is queued, so it only ever waits for earlier work):
+//! unlike CUDA, a missing `wait_stream` never reads garbage. Events are jobs too: a marker
+//! that records when the stream's earlier work finished (`Work::Mark`), and a wait for
+//! another stream's marker (`Work::Wait`).
 //!
 //! An op's output storages are "pending" (they carry the sequence number of the job that
 //! fills them) until the worker has run it. The Python thread waits only where it needs a
@@ -23,8 +32,64 @@ pub(crate) enum JobIn {
     Storage(Arc<Storage>, DType),
 }
 
+/// Host memory a queued upload reads; the owner (the shim's reference to the CPU tensor)
+/// is released when the job is done with it.
+pub struct HostSource {
+    pub ptr: *const u8,
+    pub len: usize,
+    pub keep: *mut std::ffi::c_void,
+    pub release: Option<unsafe extern "C" fn(*mut std::ffi::c_void)>,
+}
+
+// SAFETY: the memory and its owner are handed over to the job; nothing else uses them
+// until `release` runs (once, on drop).
+unsafe impl Send for HostSource {}
+
+impl Drop for HostSource {
+    fn drop(&mut self) {
+        if let Some(f) = self.release {
+            // SAFETY: the shim's release function for `keep`, called exactly once.
+            unsafe { f(self.keep) }
+        }
+    }
+}
+
+/// When a stream reached an event: set by the worker that runs the marker.
+#[derive(Default)]
+pub struct Mark {
+    /// Nanoseconds since the process's first mark; 0 until reached.
+    nanos: AtomicU64,
+}
+
+impl Mark {
+    pub fn reached(&self) -> Option<u64> {
+        match self.nanos.load(Ordering::Acquire) {
+            0 => None,
+            n => Some(n),
+        }
+    }
+
+    pub(crate) fn set_now(&self) {
+        static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        let t0 = *START.get_or_init(std::time::Instant::now);
+        let n = t0.elapsed().as_nanos() as u64;
+        self.nanos.store(n.max(1), Ordering::Release);
+    }
+}
+
 /// What a job runs.
 pub(crate) enum Work {
+    /// A host-to-device copy (`non_blocking=True`): uploads on the stream's thread.
+    Upload {
+        src: HostSource,
+        dtype: DType,
+        dims: Vec<i64>,
+        device: usize,
+    },
+    /// An event: records the time once the stream's earlier work has finished.
+    Mark(Arc<Mark>),
+    /// Waits for another stream's job (Event.wait, Stream.wait_stream).
+    Wait(u64),
     /// One op's program (its outputs say which results are checks).
     Op(Arc<crate::exec::Program>),
     /// A compiled graph or the queued part of a deferred one: its inputs at `aliased` are
@@ -48,6 +113,22 @@ pub(crate) struct Job {
     pub outputs: Vec<(Arc<Storage>, DType)>,
     /// How many of `outputs` are new tensors.
     pub new_outputs: usize,
+    /// Jobs of other streams it must wait for (filled by `Worker::submit`).
+    pub deps: Vec<u64>,
+}
+
+/// A sequence number tagged with its stream.
+pub(crate) fn tag(stream: usize, local: u64) -> u64 {
+    ((stream as u64) << STREAM_SHIFT) | local
+}
+
+const STREAM_SHIFT: u32 = 48;
+
+fn untag(seq: u64) -> (usize, u64) {
+    (
+        (seq >> STREAM_SHIFT) as usize,
+        seq & ((1 << STREAM_SHIFT) - 1),
+    )
 }
 
 impl Job {
@@ -55,7 +136,7 @@ impl Job {
     fn found(&self, e: Error) -> Error {
         match self.work {
             Work::Op(_) => Error::new(e.kind, crate::exec::checked_by(&e.msg, &self.op)),
-            Work::Graph { .. } => e,
+            _ => e,
         }
     }
 }
@@ -69,12 +150,16 @@ struct State {
 }
 
 pub struct Worker {
+    /// Its stream: the tag of its sequence numbers.
+    index: usize,
     state: Mutex<State>,
     work: Condvar,
     finished: Condvar,
-    /// Highest sequence number the worker has completed.
+    /// Highest (untagged) sequence number the worker has completed.
     done: AtomicU64,
     sleeping: AtomicBool,
+    /// The outputs of the last job it ran (a marker waits for them to be computed).
+    last: Mutex<Vec<Arc<pjrt::Buffer>>>,
 }
 
 /// Jobs in flight before the Python thread waits (bounds memory held by the queue).
@@ -84,9 +169,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl Default for Worker {
-    fn default() -> Self {
+impl Worker {
+    fn new(index: usize) -> Self {
         Worker {
+            index,
+            last: Mutex::new(Vec::new()),
             state: Mutex::new(State {
                 jobs: VecDeque::new(),
                 enqueued: 0,
@@ -99,33 +186,53 @@ impl Default for Worker {
             sleeping: AtomicBool::new(false),
         }
     }
-}
 
-impl Worker {
-    /// Queues the job `make(seq)` builds; it marks its outputs pending with `seq` before
-    /// the worker can see it.
-    pub(crate) fn submit(&'static self, make: impl FnOnce(u64) -> Job) -> Result<()> {
+    /// Queues the job `make(seq)` builds (`seq` tagged with the stream); it marks its
+    /// outputs pending with `seq` before the worker can see it.
+    pub(crate) fn submit(&'static self, make: impl FnOnce(u64) -> Job) -> Result<u64> {
         let mut st = lock(&self.state);
         if !st.started {
+            let name = match self.index {
+                0 => "tpu-worker".to_string(),
+                i => format!("tpu-stream-{i}"),
+            };
             std::thread::Builder::new()
-                .name("tpu-worker".into())
+                .name(name)
                 .spawn(move || self.run())
                 .map_err(|e| Error::runtime(format!("cannot start the tpu worker: {e}")))?;
             st.started = true;
         }
-        let seq = st.enqueued + 1;
-        let job = make(seq);
-        st.enqueued = seq;
+        let local = st.enqueued + 1;
+        let seq = tag(self.index, local);
+        // Writers of its inputs on other streams, as queued before it (the marks it
+        // replaces on its outputs included): waiting only for earlier jobs cannot deadlock.
+        let prev = crate::storage::collect_marks(|| make(seq));
+        let (mut job, mut deps) = prev;
+        for i in &job.inputs {
+            if let JobIn::Storage(s, _) = i {
+                deps.push(s.pending_seq());
+            }
+        }
+        deps.retain(|d| *d != 0 && untag(*d).0 != self.index);
+        deps.sort_unstable();
+        deps.dedup();
+        job.deps = deps;
+        st.enqueued = local;
         st.jobs.push_back((seq, job));
         drop(st);
         if self.sleeping.load(Ordering::Acquire) {
             self.work.notify_one();
         }
         let done = self.done.load(Ordering::Acquire);
-        if seq.saturating_sub(done) > MAX_IN_FLIGHT {
-            self.wait_for(seq - MAX_IN_FLIGHT / 2);
+        if local.saturating_sub(done) > MAX_IN_FLIGHT {
+            self.wait_local(local - MAX_IN_FLIGHT / 2);
         }
-        Ok(())
+        Ok(seq)
+    }
+
+    /// Whether every job queued so far has run.
+    pub(crate) fn idle(&self) -> bool {
+        self.done.load(Ordering::Acquire) >= lock(&self.state).enqueued
     }
 
     /// Queues a graph program whose results go to `targets` (the first `new_outputs` are
@@ -148,12 +255,14 @@ impl Worker {
                 inputs,
                 new_outputs,
                 outputs: targets,
+                deps: Vec::new(),
             }
         })
+        .map(|_| ())
     }
 
-    /// Waits until job `seq` has run.
-    pub(crate) fn wait_for(&self, seq: u64) {
+    /// Waits until its job number `seq` (untagged) has run.
+    fn wait_local(&self, seq: u64) {
         // A short spin first: most waits are for a job that is just finishing.
         for _ in 0..2000 {
             if self.done.load(Ordering::Acquire) >= seq {
@@ -171,33 +280,14 @@ impl Worker {
     pub fn drain(&self) {
         let last = lock(&self.state).enqueued;
         if self.done.load(Ordering::Acquire) < last {
-            self.wait_for(last);
-        }
-    }
-
-    /// Drains, then reports (once) the first failure since the last call.
-    pub fn synchronize(&self) -> Result<()> {
-        self.drain();
-        match lock(&self.state).error.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
-    }
-
-    /// A failed job's error not raised yet: a host read raises it (once), as the next
-    /// synchronization would. Without it, reading an out= or in-place target of a job whose
-    /// data check failed would return the target's old value with no error.
-    pub(crate) fn take_error(&self) -> Result<()> {
-        match lock(&self.state).error.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+            self.wait_local(last);
         }
     }
 
     /// A host read already raised `e` (a failed job's poisoned output): the next
     /// synchronization does not raise it again, nor the same error found by another op
     /// (one call can run several ops that check the same data).
-    pub(crate) fn reported(&self, e: &Error) {
+    fn reported(&self, e: &Error) {
         let first = |m: &str| m.lines().next().unwrap_or("").to_string();
         let mut st = lock(&self.state);
         if st
@@ -207,6 +297,10 @@ impl Worker {
         {
             st.error = None;
         }
+    }
+
+    fn take_first_error(&self) -> Option<Error> {
+        lock(&self.state).error.take()
     }
 
     fn next_job(&self) -> (u64, Job) {
@@ -242,7 +336,7 @@ impl Worker {
                 st.error.get_or_insert(e);
             }
             drop(job);
-            self.done.store(seq, Ordering::Release);
+            self.done.store(untag(seq).1, Ordering::Release);
             let _g = lock(&self.state);
             self.finished.notify_all();
         }
@@ -254,6 +348,41 @@ impl Worker {
             |msg: String| Error::runtime(format!("{} failed on the tpu device: {msg}", job.op));
         if let Some(msg) = injected_failure(&job.op) {
             return Err(Error::runtime(msg));
+        }
+        match &job.work {
+            Work::Mark(m) => {
+                let last = std::mem::take(&mut *lock(&self.last));
+                for b in &last {
+                    // A failed buffer is reported by its op; the marker only needs it done.
+                    let _ = b.ready();
+                }
+                m.set_now();
+                return Ok(());
+            }
+            Work::Wait(other) => {
+                rt.worker.wait_for(*other);
+                return Ok(());
+            }
+            Work::Upload {
+                src,
+                dtype,
+                dims,
+                device,
+            } => {
+                // SAFETY: the shim keeps the CPU tensor alive until `src` drops.
+                let bytes = unsafe { std::slice::from_raw_parts(src.ptr, src.len) };
+                let b = Arc::new(rt.upload(bytes, *dtype, dims, *device)?);
+                *lock(&self.last) = vec![b.clone()];
+                for (s, dt) in &job.outputs {
+                    s.fill(seq, b.clone(), *dt);
+                }
+                return Ok(());
+            }
+            Work::Op(_) | Work::Graph { .. } => {}
+        }
+        // Inputs another stream was computing when this job was queued.
+        for d in &job.deps {
+            rt.worker.wait_for(*d);
         }
         let mut bufs = Vec::with_capacity(job.inputs.len());
         for i in &job.inputs {
@@ -272,6 +401,7 @@ impl Worker {
         let mut donated = Vec::new();
         let outs = match &job.work {
             Work::Op(p) => p.exe.execute(&refs),
+            Work::Mark(_) | Work::Wait(_) | Work::Upload { .. } => unreachable!("handled above"),
             Work::Graph {
                 exe,
                 aliased,
@@ -311,12 +441,14 @@ impl Worker {
             .fetch_add(donated.len() as u64, Ordering::Relaxed);
         let mut outs: Vec<Arc<pjrt::Buffer>> = outs.into_iter().map(Arc::new).collect();
         rt.track(&job.op, &outs);
+        *lock(&self.last) = outs.clone();
         let check = match &job.work {
             Work::Op(p) => crate::exec::failed_check(rt, &p.outputs, &outs),
             Work::Graph { checks, .. } => {
                 let cbufs = outs.split_off(job.outputs.len().min(outs.len()));
                 rt.failed_checks(checks.iter().map(|c| (c.0, c.1.as_str())), &cbufs)
             }
+            Work::Mark(_) | Work::Wait(_) | Work::Upload { .. } => Ok(None),
         }
         .map_err(|e| failed(e.msg))?;
         if let (Some(e), false) = (&check, donated.is_empty()) {
@@ -352,6 +484,120 @@ impl Worker {
             } else {
                 s.unpend(seq);
             }
+        }
+    }
+}
+
+/// Side streams: `torch.tpu.Stream`s are handed out round robin from this many workers
+/// (CUDA keeps a pool too); each starts its thread on first use.
+pub const SIDE_STREAMS: usize = 8;
+
+thread_local! {
+    /// The calling thread's current stream (set by the shim's device guard).
+    static CURRENT: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// The default stream (0) and the side streams, with the queue operations over all of them.
+pub struct Streams {
+    workers: Vec<Worker>,
+    next_side: AtomicU64,
+}
+
+impl Default for Streams {
+    fn default() -> Self {
+        Streams {
+            workers: (0..=SIDE_STREAMS).map(Worker::new).collect(),
+            next_side: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Streams {
+    /// The calling thread's current stream.
+    pub fn current_index() -> usize {
+        CURRENT.with(|c| c.get())
+    }
+
+    /// Makes `stream` the calling thread's current stream (out-of-range: the default).
+    pub fn set_current(stream: usize) {
+        CURRENT.with(|c| c.set(if stream <= SIDE_STREAMS { stream } else { 0 }));
+    }
+
+    /// A side stream for a new `torch.tpu.Stream` (1..=SIDE_STREAMS, round robin).
+    pub fn new_side(&self) -> usize {
+        1 + (self.next_side.fetch_add(1, Ordering::Relaxed) as usize % SIDE_STREAMS)
+    }
+
+    pub fn get(&'static self, stream: usize) -> &'static Worker {
+        &self.workers[stream.min(SIDE_STREAMS)]
+    }
+
+    /// The calling thread's current stream's worker.
+    pub(crate) fn current(&'static self) -> &'static Worker {
+        self.get(Self::current_index())
+    }
+
+    pub(crate) fn submit(&'static self, make: impl FnOnce(u64) -> Job) -> Result<u64> {
+        self.current().submit(make)
+    }
+
+    pub(crate) fn submit_graph(
+        &'static self,
+        op: &str,
+        work: Work,
+        inputs: Vec<JobIn>,
+        targets: Vec<(Arc<Storage>, DType)>,
+        new_outputs: usize,
+    ) -> Result<()> {
+        self.current()
+            .submit_graph(op, work, inputs, targets, new_outputs)
+    }
+
+    /// Waits until the job numbered `seq` (tagged) has run.
+    pub(crate) fn wait_for(&self, seq: u64) {
+        let (stream, local) = untag(seq);
+        if let Some(w) = self.workers.get(stream) {
+            w.wait_local(local);
+        }
+    }
+
+    /// Whether the job numbered `seq` (tagged) has run.
+    pub fn reached(&self, seq: u64) -> bool {
+        let (stream, local) = untag(seq);
+        self.workers
+            .get(stream)
+            .is_none_or(|w| w.done.load(Ordering::Acquire) >= local)
+    }
+
+    /// Waits for every job queued so far on every stream.
+    pub fn drain(&self) {
+        for w in &self.workers {
+            w.drain();
+        }
+    }
+
+    /// Drains, then reports (once) the first failure since the last call.
+    pub fn synchronize(&self) -> Result<()> {
+        self.drain();
+        self.take_error()
+    }
+
+    /// A failed job's error not raised yet: a host read raises it (once), as the next
+    /// synchronization would. Without it, reading an out= or in-place target of a job whose
+    /// data check failed would return the target's old value with no error.
+    pub(crate) fn take_error(&self) -> Result<()> {
+        for w in &self.workers {
+            if let Some(e) = w.take_first_error() {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// A host read already raised `e`: no stream raises it again.
+    pub(crate) fn reported(&self, e: &Error) {
+        for w in &self.workers {
+            w.reported(e);
         }
     }
 }

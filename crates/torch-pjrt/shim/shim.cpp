@@ -83,6 +83,18 @@ void clear_error(TpuError& e) {
 // ----------------------------------------------------------------------------
 
 thread_local c10::DeviceIndex tl_device = 0;
+// The current stream of each device, per thread (0: the default stream).
+thread_local int64_t tl_streams[kMaxDevices] = {};
+
+c10::DeviceIndex stream_slot(c10::DeviceIndex idx) {
+  return idx < 0 ? tl_device : std::min<c10::DeviceIndex>(idx, kMaxDevices - 1);
+}
+
+// The device's current stream is where Rust queues this thread's work.
+void set_current_device(c10::DeviceIndex idx) noexcept {
+  tl_device = idx;
+  tpu_rs_stream_set_current(tl_streams[stream_slot(idx)]);
+}
 
 int32_t device_count() {
   int32_t n = tpu_rs_device_count();
@@ -100,10 +112,10 @@ struct DeviceScope {
   c10::DeviceIndex prev;
   bool active;
   explicit DeviceScope(int64_t idx) : prev(tl_device), active(idx >= 0 && idx != tl_device) {
-    if (active) tl_device = static_cast<c10::DeviceIndex>(idx);
+    if (active) set_current_device(static_cast<c10::DeviceIndex>(idx));
   }
   ~DeviceScope() {
-    if (active) tl_device = prev;
+    if (active) set_current_device(prev);
   }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
@@ -345,32 +357,69 @@ struct TpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
   void setDevice(c10::Device d) const override {
     TORCH_CHECK(d.type() == kTpu, "tpu guard: expected a tpu device, got ", d);
     check_device_index(d.index());
-    tl_device = d.index();
+    set_current_device(d.index());
   }
   void uncheckedSetDevice(c10::Device d) const noexcept override {
-    if (d.index() >= 0) tl_device = d.index();
+    if (d.index() >= 0) set_current_device(d.index());
   }
-  c10::Stream getStream(c10::Device d) const override { return c10::Stream(c10::Stream::DEFAULT, d); }
-  c10::Stream getDefaultStream(c10::Device d) const override { return getStream(d); }
-  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getStream(d); }
-  c10::Stream getNewStream(c10::Device d, int) const override { return getStream(d); }
-  c10::Stream exchangeStream(c10::Stream s) const override { return getStream(s.device()); }
-  // An "event" is just the recorded device index + 1 (no allocation, nothing to free).
-  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  // Streams are Rust's (runtime stream.rs): id 0 is the default stream, others are side
+  // streams; the current one is per thread and device, as CUDA's.
+  static c10::Device concrete(c10::Device d) { return c10::Device(kTpu, stream_slot(d.index())); }
+  c10::Stream getStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::UNSAFE, concrete(d), tl_streams[stream_slot(d.index())]);
+  }
+  c10::Stream getDefaultStream(c10::Device d) const override {
+    return c10::Stream(c10::Stream::DEFAULT, concrete(d));
+  }
+  c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getNewStream(d, 0); }
+  c10::Stream getNewStream(c10::Device d, int) const override {
+    return c10::Stream(c10::Stream::UNSAFE, concrete(d), tpu_rs_stream_new());
+  }
+  c10::Stream exchangeStream(c10::Stream s) const override {
+    c10::Stream old = getStream(s.device());
+    tl_streams[stream_slot(s.device_index())] = s.id();
+    if (stream_slot(s.device_index()) == tl_device) tpu_rs_stream_set_current(s.id());
+    return old;
+  }
+  void destroyEvent(void* event, const c10::DeviceIndex) const noexcept override { tpu_rs_event_free(event); }
   void record(void** event, const c10::Stream& s, const c10::DeviceIndex, const c10::EventFlag) const override {
-    *event = reinterpret_cast<void*>(static_cast<intptr_t>(s.device_index()) + 1);
+    TpuError err;
+    clear_error(err);
+    if (tpu_rs_event_record(event, s.id(), &err) != 0) throw_tpu_error(err);
   }
-  void block(void*, const c10::Stream&) const override {}
-  bool queryEvent(void*) const override { return true; }
+  void block(void* event, const c10::Stream& s) const override {
+    TpuError err;
+    clear_error(err);
+    if (tpu_rs_event_block(event, s.id(), &err) != 0) throw_tpu_error(err);
+  }
+  bool queryEvent(void* event) const override { return tpu_rs_event_query(event) != 0; }
   void synchronizeEvent(void* event) const override {
-    if (event) synchronizeDevice(static_cast<c10::DeviceIndex>(reinterpret_cast<intptr_t>(event) - 1));
+    TpuError err;
+    clear_error(err);
+    if (tpu_rs_event_synchronize(event, &err) != 0) throw_tpu_error(err);
   }
-  double elapsedTime(void*, void*, const c10::DeviceIndex) const override { return 0.0; }
+  double elapsedTime(void* start, void* end, const c10::DeviceIndex) const override {
+    TpuError err;
+    clear_error(err);
+    double ms = 0.0;
+    if (tpu_rs_event_elapsed(start, end, &ms, &err) != 0) throw_tpu_error(err);
+    return ms;
+  }
   c10::DeviceIndex deviceCount() const noexcept override {
     return static_cast<c10::DeviceIndex>(device_count());
   }
-  bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream& s) const override { synchronizeDevice(s.device_index()); }
+  bool queryStream(const c10::Stream& s) const override {
+    TpuError err;
+    clear_error(err);
+    int32_t r = tpu_rs_stream_query(s.id(), &err);
+    if (r == 2) throw_tpu_error(err);
+    return r == 1;
+  }
+  void synchronizeStream(const c10::Stream& s) const override {
+    TpuError err;
+    clear_error(err);
+    if (tpu_rs_stream_synchronize(s.id(), &err) != 0) throw_tpu_error(err);
+  }
   void synchronizeDevice(const c10::DeviceIndex idx) const override {
     TpuError err;
     clear_error(err);
@@ -390,7 +439,7 @@ struct TpuHooks final : at::PrivateUse1HooksInterface {
   c10::DeviceIndex deviceCount() const override { return static_cast<c10::DeviceIndex>(device_count()); }
   void setCurrentDevice(c10::DeviceIndex d) const override {
     check_device_index(d);
-    tl_device = d;
+    set_current_device(d);
   }
   c10::DeviceIndex getCurrentDevice() const override { return tl_device; }
   c10::DeviceIndex exchangeDevice(c10::DeviceIndex d) const override {
@@ -529,6 +578,15 @@ at::Tensor& tpu_set_empty(at::Tensor& self) {
 }
 
 // src -> dst, any mix of cpu/tpu, dtype conversion and broadcasting done by Rust.
+void release_tensor(void* t) { delete static_cast<at::Tensor*>(t); }
+
+// Tensor.record_stream: nothing to do. A queued job holds the storages it reads (and
+// their PJRT buffers) until it has run, on whatever stream, so freeing the tensor early
+// never hands its memory to other work.
+void tpu_record_stream(at::Tensor& self, c10::Stream s) {
+  TORCH_CHECK(s.device_type() == kTpu, "record_stream: expected a tpu stream, got ", s);
+}
+
 void copy_impl(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
   if (src.device().type() == kTpu || dst.device().type() == kTpu) {
     check_supported_dtype(src.scalar_type());
@@ -540,7 +598,11 @@ void copy_impl(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) 
   describe_or_throw(dst, true, &d, "copy destination");
   TpuError err;
   clear_error(err);
-  if (tpu_rs_copy(&s, &d, non_blocking ? 1 : 0, &err) != 0) throw_tpu_error(err);
+  // A non_blocking copy from the CPU may be queued on the current stream: Rust keeps
+  // the source alive through this reference until the upload has read it.
+  void* keep = nullptr;
+  if (non_blocking && src.is_cpu()) keep = new at::Tensor(src);
+  if (tpu_rs_copy(&s, &d, non_blocking ? 1 : 0, keep, &release_tensor, &err) != 0) throw_tpu_error(err);
 }
 
 at::Tensor tpu_copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
@@ -1231,6 +1293,7 @@ void init_locked() {
   cpp("_copy_from", TORCH_FN(tpu_copy_from));
   cpp("_copy_from_and_resize", TORCH_FN(tpu_copy_from_and_resize));
   cpp("_local_scalar_dense", TORCH_FN(tpu_local_scalar_dense));
+  cpp("record_stream", TORCH_FN(tpu_record_stream));
 
   // Our own ops, called by compile.py. A catch-all kernel: no autograd, any device.
   static torch::Library* own =

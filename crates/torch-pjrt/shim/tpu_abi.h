@@ -153,7 +153,24 @@ int32_t tpu_rs_storage_copy(void* dst, void* src, int64_t nbytes, TpuError* err)
 // Re-allocates `handle` to new_nbytes keeping the first min(old,new) bytes.
 int32_t tpu_rs_storage_resize(void* handle, int64_t new_nbytes, TpuError* err);
 // _copy_from(src, dst): any mix of cpu/tpu, dtype conversion, broadcasting src to dst.
-int32_t tpu_rs_copy(const TpuTensor* src, const TpuTensor* dst, int32_t non_blocking, TpuError* err);
+// With non_blocking, `keep` (may be NULL) owns the CPU source: Rust calls release(keep)
+// once it no longer reads it (at once, or after a queued upload has run).
+int32_t tpu_rs_copy(const TpuTensor* src, const TpuTensor* dst, int32_t non_blocking, void* keep,
+                    void (*release)(void*), TpuError* err);
+// Streams: 0 is the default stream; tpu_rs_stream_new hands out a side stream. The current
+// stream is per thread (the device guard sets it). query returns 1 (idle), 0 (busy) or
+// TPU_ERROR (2) with err set.
+int64_t tpu_rs_stream_new(void);
+void tpu_rs_stream_set_current(int64_t stream);
+int32_t tpu_rs_stream_query(int64_t stream, TpuError* err);
+int32_t tpu_rs_stream_synchronize(int64_t stream, TpuError* err);
+// Events: *event is NULL or a handle made by tpu_rs_event_record (re-recording replaces it).
+int32_t tpu_rs_event_record(void** event, int64_t stream, TpuError* err);
+void tpu_rs_event_free(void* event);
+int32_t tpu_rs_event_query(void* event);
+int32_t tpu_rs_event_synchronize(void* event, TpuError* err);
+int32_t tpu_rs_event_block(void* event, int64_t stream, TpuError* err);
+int32_t tpu_rs_event_elapsed(void* start, void* end, double* ms, TpuError* err);
 // _local_scalar_dense: the single element, as int64 / double / bool by dtype.
 int32_t tpu_rs_item(const TpuTensor* t, TpuRet* out, TpuError* err);
 int32_t tpu_rs_device_count(void);

@@ -307,13 +307,167 @@ pub unsafe extern "C" fn tpu_rs_storage_resize(
 pub unsafe extern "C" fn tpu_rs_copy(
     src: *const TpuTensor,
     dst: *const TpuTensor,
-    _non_blocking: i32,
+    non_blocking: i32,
+    keep: *mut c_void,
+    release: Option<unsafe extern "C" fn(*mut c_void)>,
     err: *mut TpuError,
 ) -> i32 {
+    // Owns the shim's reference to the CPU source from here on, whatever happens.
+    let host = runtime::worker::HostSource {
+        ptr: std::ptr::null(),
+        len: 0,
+        keep,
+        release: if keep.is_null() { None } else { release },
+    };
     guarded(err, "copy", || {
         // SAFETY: descriptors filled by the shim.
         let (s, d) = unsafe { (tensor(&*src), tensor(&*dst)) };
-        copy::copy(rt()?, &s, &d)?;
+        if non_blocking != 0 {
+            copy::copy_nonblocking(rt()?, &s, &d, host)?;
+        } else {
+            drop(host);
+            copy::copy(rt()?, &s, &d)?;
+        }
+        Ok(OK)
+    })
+}
+
+/// A side stream for a new `torch.tpu.Stream` (0 is the default stream).
+#[no_mangle]
+pub extern "C" fn tpu_rs_stream_new() -> i64 {
+    runtime::stream::new_stream().map_or(0, |s| s as i64)
+}
+
+/// The calling thread's current stream becomes `stream`.
+#[no_mangle]
+pub extern "C" fn tpu_rs_stream_set_current(stream: i64) {
+    runtime::stream::set_current(stream.max(0) as usize);
+}
+
+/// # Safety
+/// Valid error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_stream_query(stream: i64, err: *mut TpuError) -> i32 {
+    guarded(err, "stream query", || {
+        Ok(runtime::stream::query(stream.max(0) as usize)? as i32)
+    })
+}
+
+/// # Safety
+/// Valid error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_stream_synchronize(stream: i64, err: *mut TpuError) -> i32 {
+    guarded(err, "stream synchronize", || {
+        runtime::stream::synchronize(stream.max(0) as usize)?;
+        Ok(OK)
+    })
+}
+
+/// Records an event on `stream` into `*event` (a handle made here, replaced if set).
+///
+/// # Safety
+/// `event` points at NULL or a handle from this function; valid error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_event_record(
+    event: *mut *mut c_void,
+    stream: i64,
+    err: *mut TpuError,
+) -> i32 {
+    guarded(err, "event record", || {
+        let ev = runtime::stream::record(stream.max(0) as usize)?;
+        // SAFETY: per the contract, `*event` is NULL or a live handle we made.
+        unsafe {
+            let old = *event as *mut runtime::stream::Event;
+            if !old.is_null() {
+                drop(Box::from_raw(old));
+            }
+            *event = Box::into_raw(Box::new(ev)) as *mut c_void;
+        }
+        Ok(OK)
+    })
+}
+
+/// # Safety
+/// `event` is NULL or a live handle from `tpu_rs_event_record`, freed once.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_event_free(event: *mut c_void) {
+    if !event.is_null() {
+        // SAFETY: per the contract.
+        drop(unsafe { Box::from_raw(event as *mut runtime::stream::Event) });
+    }
+}
+
+/// # Safety
+/// `event` is NULL or a live handle.
+unsafe fn event_ref<'a>(event: *mut c_void) -> Option<&'a runtime::stream::Event> {
+    // SAFETY: per the callers' contract.
+    unsafe { (event as *const runtime::stream::Event).as_ref() }
+}
+
+/// 1 when the event was reached (or never recorded), 0 otherwise.
+///
+/// # Safety
+/// `event` is NULL or a live handle.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_event_query(event: *mut c_void) -> i32 {
+    // SAFETY: per the contract.
+    unsafe { event_ref(event) }.is_none_or(|e| e.query()) as i32
+}
+
+/// # Safety
+/// `event` is NULL or a live handle; valid error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_event_synchronize(event: *mut c_void, err: *mut TpuError) -> i32 {
+    guarded(err, "event synchronize", || {
+        // SAFETY: per the contract.
+        if let Some(e) = unsafe { event_ref(event) } {
+            e.synchronize()?;
+        }
+        Ok(OK)
+    })
+}
+
+/// Work queued on `stream` from now on waits for the event.
+///
+/// # Safety
+/// `event` is NULL or a live handle; valid error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_event_block(
+    event: *mut c_void,
+    stream: i64,
+    err: *mut TpuError,
+) -> i32 {
+    guarded(err, "event wait", || {
+        // SAFETY: per the contract.
+        if let Some(e) = unsafe { event_ref(event) } {
+            e.block(stream.max(0) as usize)?;
+        }
+        Ok(OK)
+    })
+}
+
+/// Milliseconds between two recorded events, into `*ms`.
+///
+/// # Safety
+/// Live handles or NULL; valid out and error pointers.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_event_elapsed(
+    start: *mut c_void,
+    end: *mut c_void,
+    ms: *mut f64,
+    err: *mut TpuError,
+) -> i32 {
+    guarded(err, "elapsed_time", || {
+        // SAFETY: per the contract.
+        let (a, b) = unsafe { (event_ref(start), event_ref(end)) };
+        let (Some(a), Some(b)) = (a, b) else {
+            return Err(runtime::Error::runtime(
+                "Both events must be recorded before calculating elapsed time.",
+            ));
+        };
+        let t = a.elapsed_ms(b)?;
+        // SAFETY: valid out pointer per the ABI.
+        unsafe { *ms = t };
         Ok(OK)
     })
 }

@@ -115,6 +115,25 @@ fn set_memory_fraction(device: usize, fraction: f64) -> PyResult<()> {
     runtime::memory::set_fraction(device, fraction).map_err(py_err)
 }
 
+/// Milliseconds between two recorded tpu events, by their `torch.Event.event_id` (the
+/// runtime's event handles; `torch.Event.elapsed_time` refuses subclasses as `other`).
+#[pyfunction]
+fn event_elapsed(start: usize, end: usize) -> PyResult<f64> {
+    let (a, b) = (
+        start as *const runtime::stream::Event,
+        end as *const runtime::stream::Event,
+    );
+    // SAFETY: the ids are live handles of tpu events that the calling Python objects own
+    // for the duration of the call (NULL when never recorded).
+    let (a, b) = unsafe { (a.as_ref(), b.as_ref()) };
+    match (a, b) {
+        (Some(a), Some(b)) => a.elapsed_ms(b).map_err(py_err),
+        _ => Err(PyRuntimeError::new_err(
+            "Both events must be recorded before calculating elapsed time.",
+        )),
+    }
+}
+
 #[pyfunction]
 fn device_count() -> usize {
     runtime::device_count()
@@ -338,6 +357,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_init, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
+    m.add_function(wrap_pyfunction!(event_elapsed, m)?)?;
     m.add_function(wrap_pyfunction!(in_bad_fork, m)?)?;
     m.add_function(wrap_pyfunction!(platform_name, m)?)?;
     m.add_function(wrap_pyfunction!(device_kind, m)?)?;
