@@ -9,6 +9,8 @@ import types
 import torch
 
 from . import _C
+from . import compiler as compiler  # torch.tpu.compiler
+from . import profiler as profiler  # torch.tpu.profiler
 from .amp import get_amp_supported_dtype, is_bf16_supported  # noqa: F401
 from .memory import *  # noqa: F403
 from .memory import __all__ as _memory_names

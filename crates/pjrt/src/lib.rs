@@ -393,9 +393,19 @@ impl Client {
 
     /// Compiles StableHLO MLIR text (with a public `func.func @main`) for `device`.
     pub fn compile(&self, mlir: &str, device: usize) -> Result<Executable> {
+        self.compile_with(mlir, device, &[])
+    }
+
+    /// `compile` with more XLA options by name (overriding the client's).
+    pub fn compile_with(
+        &self,
+        mlir: &str,
+        device: usize,
+        extra: &[(String, OptionValue)],
+    ) -> Result<Executable> {
         let c = &self.inner;
         c.device(device)?;
-        let opts = compile_options(device, c.device_ids[device], &c.overrides);
+        let opts = compile_options(device, c.device_ids[device], &c.overrides, extra);
         let (code, copts) = (mlir.as_ptr().cast(), opts.as_ptr().cast());
         let mut raw: ffi::Handle = ptr::null_mut();
         // SAFETY: live client; inputs are valid for their lengths during the call.
@@ -418,14 +428,29 @@ impl Client {
     pub fn compile_options(&self, device: usize) -> Result<Vec<u8>> {
         let c = &self.inner;
         c.device(device)?;
-        Ok(compile_options(device, c.device_ids[device], &c.overrides))
+        Ok(compile_options(
+            device,
+            c.device_ids[device],
+            &c.overrides,
+            &[],
+        ))
     }
 
     /// Loads an executable produced by [`Executable::serialize`] onto `device`.
     pub fn deserialize(&self, bytes: &[u8], device: usize) -> Result<Executable> {
+        self.deserialize_with(bytes, device, &[])
+    }
+
+    /// `deserialize` with the extra options the executable was compiled with.
+    pub fn deserialize_with(
+        &self,
+        bytes: &[u8],
+        device: usize,
+        extra: &[(String, OptionValue)],
+    ) -> Result<Executable> {
         let c = &self.inner;
         c.device(device)?;
-        let opts = compile_options(device, c.device_ids[device], &c.overrides);
+        let opts = compile_options(device, c.device_ids[device], &c.overrides, extra);
         let (b, o) = (bytes.as_ptr().cast(), opts.as_ptr().cast());
         let mut raw: ffi::Handle = ptr::null_mut();
         // SAFETY: live client; inputs are valid for their lengths during the call.
@@ -491,11 +516,13 @@ fn put_bytes(out: &mut Vec<u8>, field: u64, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
-/// The value of an XLA option set by name at every compilation.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// The value of an XLA option set by name (`OptionOverrideProto`).
+#[derive(Clone, Debug, PartialEq)]
 pub enum OptionValue {
     Bool(bool),
     Str(String),
+    Int(i64),
+    Float(f64),
 }
 
 /// Serialized `xla.CompileOptionsProto` for a single-device executable:
@@ -508,8 +535,11 @@ pub enum OptionValue {
 fn compile_options(
     device_ordinal: usize,
     device_id: i64,
-    overrides: &[(String, OptionValue)],
+    client: &[(String, OptionValue)],
+    extra: &[(String, OptionValue)],
 ) -> Vec<u8> {
+    // A map: the last entry of a name wins, so `extra` overrides the client's.
+    let overrides: Vec<&(String, OptionValue)> = client.iter().chain(extra).collect();
     let mut computation_device = vec![];
     put_int(&mut computation_device, 1, device_id);
     let mut assignment = vec![];
@@ -529,6 +559,11 @@ fn compile_options(
             // A oneof member: written even when false or empty.
             OptionValue::Str(s) => put_bytes(&mut v, 1, s.as_bytes()),
             OptionValue::Bool(b) => put_int(&mut v, 2, i64::from(*b)),
+            OptionValue::Int(i) => put_int(&mut v, 3, *i),
+            OptionValue::Float(f) => {
+                put_varint(&mut v, (4 << 3) | 1); // fixed64
+                v.extend_from_slice(&f.to_le_bytes());
+            }
         }
         let mut entry = vec![];
         put_bytes(&mut entry, 1, name.as_bytes());
@@ -963,19 +998,30 @@ mod tests {
         let expected = [
             0x1a, 16, 0x08, 1, 0x20, 1, 0x28, 1, 0x4a, 8, 0x08, 1, 0x10, 1, 0x1a, 2, 0x08, 1,
         ];
-        assert_eq!(compile_options(1, 1, &[]), expected);
-        let with = compile_options(1, 1, &[("ab".into(), OptionValue::Bool(false))]);
+        assert_eq!(compile_options(1, 1, &[], &[]), expected);
+        let with = compile_options(1, 1, &[("ab".into(), OptionValue::Bool(false))], &[]);
         assert_eq!(with[..expected.len()], expected);
         // 7: { key(1) "ab", value(2) { bool_field(2) false } }
         assert_eq!(
             with[expected.len()..],
             [0x3a, 8, 0x0a, 2, b'a', b'b', 0x12, 2, 0x10, 0]
         );
-        let with = compile_options(1, 1, &[("ab".into(), OptionValue::Str("X".into()))]);
+        let with = compile_options(1, 1, &[], &[("ab".into(), OptionValue::Str("X".into()))]);
         // 7: { key(1) "ab", value(2) { string_field(1) "X" } }
         assert_eq!(
             with[expected.len()..],
             [0x3a, 9, 0x0a, 2, b'a', b'b', 0x12, 3, 0x0a, 1, b'X']
         );
+        let with = compile_options(1, 1, &[], &[("ab".into(), OptionValue::Int(5))]);
+        // 7: { key(1) "ab", value(2) { int_field(3) 5 } }
+        assert_eq!(
+            with[expected.len()..],
+            [0x3a, 8, 0x0a, 2, b'a', b'b', 0x12, 2, 0x18, 5]
+        );
+        let with = compile_options(1, 1, &[], &[("ab".into(), OptionValue::Float(1.0))]);
+        // 7: { key(1) "ab", value(2) { double_field(4) 1.0 } }
+        let mut want = vec![0x3a, 15, 0x0a, 2, b'a', b'b', 0x12, 9, 0x21];
+        want.extend_from_slice(&1.0f64.to_le_bytes());
+        assert_eq!(with[expected.len()..], want[..]);
     }
 }

@@ -650,7 +650,14 @@ impl Runtime {
             None
         } else {
             let couts: Vec<Value> = graph.checks.iter().map(|c| c.0).collect();
-            Some(self.graph_program(device, &graph, &couts)?)
+            match self.graph_program(device, &graph, &couts) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    // Nothing ran: its values fail, the storages it would rewrite keep theirs.
+                    discard_flushed(&entries, &[], &e);
+                    return Err(e);
+                }
+            }
         };
         for (p, j, _) in &aliases {
             graph.b.alias(*p, *j);
@@ -664,7 +671,14 @@ impl Runtime {
                 graph.module(&outs)
             );
         }
-        let exe = self.graph_program(device, &graph, &outs)?;
+        let exe = match self.graph_program(device, &graph, &outs) {
+            Ok(exe) => exe,
+            Err(e) => {
+                discard_flushed(&entries, &[], &e);
+                return Err(e);
+            }
+        };
+        let traced = crate::trace::queued();
         // Donate an aliased input only if nothing but its storage and this graph holds the
         // buffer (a view's storage, a captured graph or an unfinished op could still read it).
         drop(graph.params);
@@ -687,7 +701,19 @@ impl Runtime {
                 return Err(e);
             }
         }
-        let bufs = exe.execute_donating(&refs, &keep)?;
+        let start = crate::trace::now();
+        let bufs = match exe.execute_donating(&refs, &keep) {
+            Ok(b) => b,
+            Err(e) => {
+                // Donated inputs may be gone with the failed run: those storages fail too.
+                let e = Error::runtime(format!(
+                    "a deferred graph of {} ops failed on the tpu device: {}",
+                    graph.ops, e.message
+                ));
+                discard_flushed(&entries, &aliased_entries, &e);
+                return Err(e);
+            }
+        };
         self.metrics
             .executions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -696,6 +722,11 @@ impl Runtime {
             .fetch_add(donated as u64, std::sync::atomic::Ordering::Relaxed);
         self.metrics.flushed(graph.ops, reason);
         let mut bufs: Vec<Arc<pjrt::Buffer>> = bufs.into_iter().map(Arc::new).collect();
+        if let Some(q) = traced {
+            let name = format!("deferred graph ({} ops, {reason})", graph.ops);
+            let stream = crate::worker::Streams::current_index();
+            crate::trace::finish(&name, device, stream, q, start, &bufs);
+        }
         self.track("deferred graph", &bufs);
         let check_bufs = bufs.split_off(entries.len());
         if let Some(e) = self.failed_checks(
@@ -739,7 +770,15 @@ impl Runtime {
         ops: usize,
         module: impl FnOnce() -> String,
     ) -> Result<Arc<pjrt::Executable>> {
-        let key = (device, main);
+        let custom = crate::options::key_part();
+        let key = if custom.is_empty() {
+            (device, main)
+        } else {
+            (
+                device,
+                format!("{}\n{main}", String::from_utf8_lossy(&custom)),
+            )
+        };
         if let Some(e) = lock(&self.defer.programs).get(&key).cloned() {
             self.metrics
                 .cache_hits
@@ -1260,12 +1299,18 @@ impl Runtime {
                 .collect();
         }
         let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
+        let traced = crate::trace::queued();
+        let start = crate::trace::now();
         let results: Vec<Arc<pjrt::Buffer>> = c
             .exe
             .execute_donating(&refs, &keep)?
             .into_iter()
             .map(Arc::new)
             .collect();
+        if let Some(q) = traced {
+            let stream = crate::worker::Streams::current_index();
+            crate::trace::finish("compiled graph", c.device, stream, q, start, &results);
+        }
         self.metrics
             .executions
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

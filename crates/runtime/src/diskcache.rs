@@ -379,10 +379,15 @@ impl DiskCache {
     }
 
     /// The key of `mlir` for `device`; None when the disk cache is off.
-    pub fn key(&self, mlir: &str, device: usize) -> Option<Key> {
+    /// `extra`: the bytes of options added for this compilation (see `options`).
+    pub fn key(&self, mlir: &str, device: usize, extra: &[u8]) -> Option<Key> {
         lock(&self.state).dir.as_ref()?;
         let (kind, opts) = self.devices.get(device)?;
-        Some(key(&self.identity, kind, opts, mlir))
+        if extra.is_empty() {
+            return Some(key(&self.identity, kind, opts, mlir));
+        }
+        let all = [opts.as_slice(), extra].concat();
+        Some(key(&self.identity, kind, &all, mlir))
     }
 
     /// The executable stored under `key`, loaded onto `device`; None (a disk miss) when
@@ -393,6 +398,7 @@ impl DiskCache {
         metrics: &Metrics,
         key: &Key,
         device: usize,
+        extra: &[(String, pjrt::OptionValue)],
     ) -> Option<pjrt::Executable> {
         let path = self.dir()?.join(entry_name(key));
         let t0 = Instant::now();
@@ -401,7 +407,7 @@ impl DiskCache {
             Err(_) => None,
             Ok(bytes) => match decode(&bytes, key) {
                 Err(why) => Some(why),
-                Ok(payload) => match client.deserialize(payload, device) {
+                Ok(payload) => match client.deserialize_with(payload, device, extra) {
                     Ok(exe) => {
                         touch(&path);
                         metrics.loaded(t0.elapsed().as_secs_f64());

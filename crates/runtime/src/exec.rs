@@ -260,6 +260,8 @@ pub(crate) fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> 
         text(&mut k, &p.name);
         arg(&mut k, &p.arg, &mut slots);
     }
+    // Compiled under custom_compiler_options: another program.
+    k.extend_from_slice(&crate::options::key_part());
     k
 }
 
@@ -1216,11 +1218,17 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
         }
     }
     let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
+    let traced = crate::trace::queued();
+    let start = crate::trace::now();
     let outs = prog.exe.execute(&refs)?;
     rt.metrics
         .executions
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let outs: Vec<Arc<pjrt::Buffer>> = outs.into_iter().map(Arc::new).collect();
+    if let Some(q) = traced {
+        let stream = crate::worker::Streams::current_index();
+        crate::trace::finish(op, device, stream, q, start, &outs);
+    }
     if crate::mode::get() == crate::mode::EagerMode::Debug {
         debug_check(rt, op, params, &outs)?;
     } else {

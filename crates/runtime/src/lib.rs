@@ -18,8 +18,10 @@ pub mod layout;
 pub mod memory;
 pub mod metrics;
 pub mod mode;
+pub mod options;
 pub mod storage;
 pub mod stream;
+pub mod trace;
 pub mod worker;
 
 pub use exec::{dispatch, Outcome, Param, RArg, Ret, TensorRef};
@@ -442,19 +444,24 @@ impl Runtime {
     /// Compiles a StableHLO module for `device` (every compilation goes through here), or
     /// loads it from the disk cache.
     pub fn compile(&self, mlir: &str, device: usize, deferred: bool) -> Result<pjrt::Executable> {
-        let key = self.disk.key(mlir, device);
-        if let Some(exe) = key
-            .as_ref()
-            .and_then(|k| self.disk.load(&self.client, &self.metrics, k, device))
-        {
+        let custom = options::current();
+        let extra: &[(String, pjrt::OptionValue)] = custom.as_ref().map_or(&[], |c| &c.list);
+        let key = self.disk.key(mlir, device, &options::key_part());
+        let t0 = std::time::Instant::now();
+        if let Some(exe) = key.as_ref().and_then(|k| {
+            self.disk
+                .load(&self.client, &self.metrics, k, device, extra)
+        }) {
+            trace::note(trace::Source::Loaded(t0.elapsed().as_secs_f64()));
             return Ok(exe);
         }
         let t0 = std::time::Instant::now();
         let exe = self
             .client
-            .compile(mlir, device)
+            .compile_with(mlir, device, extra)
             .map_err(|e| Error::runtime(e.message))?;
         let secs = t0.elapsed().as_secs_f64();
+        trace::note(trace::Source::Compiled(secs));
         if deferred {
             self.metrics.compiled_deferred(secs);
         } else {

@@ -64,8 +64,14 @@ pub fn synchronize(stream: usize) -> Result<()> {
 
 /// Records an event on `stream`: reached when the work queued there so far has finished.
 pub fn record(stream: usize) -> Result<Event> {
+    crate::get()?.flush_all("event record")?;
+    marker(stream)
+}
+
+/// A marker queued on `stream` without flushing DeferAndFuse's graph (the profiler's
+/// per-op markers: a flush per op would change what is measured).
+pub fn marker(stream: usize) -> Result<Event> {
     let rt = crate::get()?;
-    rt.flush_all("event record")?;
     let mark = Arc::new(Mark::default());
     let m = mark.clone();
     let seq = rt

@@ -132,6 +132,16 @@ fn untag(seq: u64) -> (usize, u64) {
 }
 
 impl Job {
+    /// The device its program runs on (None for markers and waits).
+    fn device(&self) -> Option<usize> {
+        match &self.work {
+            Work::Op(p) => Some(p.exe.device()),
+            Work::Graph { exe, .. } => Some(exe.device()),
+            Work::Upload { device, .. } => Some(*device),
+            Work::Mark(_) | Work::Wait(_) => None,
+        }
+    }
+
     /// A failed check's error, naming the op (a graph's checks already name theirs).
     fn found(&self, e: Error) -> Error {
         match self.work {
@@ -142,7 +152,8 @@ impl Job {
 }
 
 struct State {
-    jobs: VecDeque<(u64, Job)>,
+    /// Queued jobs with their trace data (when the profiler's trace is on).
+    jobs: VecDeque<(u64, Job, Option<crate::trace::Queued>)>,
     enqueued: u64,
     /// The first failure not yet reported by `synchronize`.
     error: Option<Error>,
@@ -218,7 +229,7 @@ impl Worker {
         deps.dedup();
         job.deps = deps;
         st.enqueued = local;
-        st.jobs.push_back((seq, job));
+        st.jobs.push_back((seq, job, crate::trace::queued()));
         drop(st);
         if self.sleeping.load(Ordering::Acquire) {
             self.work.notify_one();
@@ -303,7 +314,7 @@ impl Worker {
         lock(&self.state).error.take()
     }
 
-    fn next_job(&self) -> (u64, Job) {
+    fn next_job(&self) -> (u64, Job, Option<crate::trace::Queued>) {
         // Spin briefly before sleeping: the Python thread usually queues the next op within
         // microseconds, and a futex wake-up costs more than that.
         for _ in 0..1_000 {
@@ -327,8 +338,14 @@ impl Worker {
 
     fn run(&self) {
         loop {
-            let (seq, job) = self.next_job();
-            if let Err(e) = self.execute(seq, &job) {
+            let (seq, job, traced) = self.next_job();
+            let start = crate::trace::now();
+            let r = self.execute(seq, &job);
+            if let (Some(q), Ok(()), Some(device)) = (traced, &r, job.device()) {
+                let outs = lock(&self.last).clone();
+                crate::trace::finish(&job.op, device, self.index, q, start, &outs);
+            }
+            if let Err(e) = r {
                 for (s, _) in &job.outputs {
                     s.poison(seq, &e);
                 }

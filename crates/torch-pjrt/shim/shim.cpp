@@ -26,6 +26,7 @@
 #include <ATen/ops/view_as_real_native.h>
 #include <ATen/ops/view_native.h>
 #include <c10/core/CPUAllocator.h>
+#include <torch/csrc/profiler/stubs/base.h>
 #include <c10/core/CachingDeviceAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/library.h>
@@ -424,6 +425,50 @@ struct TpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
     TpuError err;
     clear_error(err);
     if (tpu_rs_synchronize(idx < 0 ? tl_device : idx, &err) != 0) throw_tpu_error(err);
+  }
+};
+
+// ----------------------------------------------------------------------------
+// Profiler: torch.profiler's PrivateUse1 activity times each op between two markers on the
+// current stream (device time, see runtime stream.rs). Markers never flush DeferAndFuse's
+// graph: there ops run fused at the flush and their own device time is ~0.
+// ----------------------------------------------------------------------------
+
+struct TpuProfilerStubs final : torch::profiler::impl::ProfilerStubs {
+  void record(c10::DeviceIndex* device, torch::profiler::impl::ProfilerVoidEventStub* event,
+              int64_t* cpu_ns) const override {
+    if (device) *device = tl_device;
+    void* ev = nullptr;
+    TpuError err;
+    clear_error(err);
+    if (tpu_rs_event_marker(&ev, tl_streams[stream_slot(tl_device)], &err) != 0) throw_tpu_error(err);
+    if (cpu_ns) *cpu_ns = c10::getTime();
+    *event = std::shared_ptr<void>(ev, [](void* p) { tpu_rs_event_free(p); });
+  }
+  float elapsed(const torch::profiler::impl::ProfilerVoidEventStub* a,
+                const torch::profiler::impl::ProfilerVoidEventStub* b) const override {
+    TpuError err;
+    clear_error(err);
+    double ms = 0.0;
+    if (tpu_rs_event_elapsed(a->get(), b->get(), &ms, &err) != 0) throw_tpu_error(err);
+    return static_cast<float>(ms * 1000.0);  // the profiler expects microseconds
+  }
+  void mark(const char*) const override {}
+  void rangePush(const char*) const override {}
+  void rangePop() const override {}
+  bool enabled() const override { return true; }
+  void onEachDevice(std::function<void(int)> op) const override {
+    c10::DeviceIndex prev = tl_device;
+    for (int i = 0; i < device_count(); i++) {
+      set_current_device(static_cast<c10::DeviceIndex>(i));
+      op(i);
+    }
+    set_current_device(prev);
+  }
+  void synchronize() const override {
+    TpuError err;
+    clear_error(err);
+    if (tpu_rs_synchronize(tl_device, &err) != 0) throw_tpu_error(err);
   }
 };
 
@@ -1271,6 +1316,8 @@ void init_locked() {
   c10::SetAllocator(kTpu, &g_alloc);
   c10::impl::registerDeviceGuard(kTpu, new TpuGuardImpl());
   at::RegisterPrivateUse1HooksInterface(new TpuHooks());
+  static TpuProfilerStubs profiler_stubs;
+  torch::profiler::impl::registerPrivateUse1Methods(&profiler_stubs);
 
   torch::Library& m = impl_lib("aten");
   auto cpp = [&](const char* name, auto&& fn) {

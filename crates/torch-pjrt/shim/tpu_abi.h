@@ -166,6 +166,8 @@ int32_t tpu_rs_stream_query(int64_t stream, TpuError* err);
 int32_t tpu_rs_stream_synchronize(int64_t stream, TpuError* err);
 // Events: *event is NULL or a handle made by tpu_rs_event_record (re-recording replaces it).
 int32_t tpu_rs_event_record(void** event, int64_t stream, TpuError* err);
+// The profiler's markers: like an event record, but never a flush point.
+int32_t tpu_rs_event_marker(void** event, int64_t stream, TpuError* err);
 void tpu_rs_event_free(void* event);
 int32_t tpu_rs_event_query(void* event);
 int32_t tpu_rs_event_synchronize(void* event, TpuError* err);

@@ -387,6 +387,30 @@ pub unsafe extern "C" fn tpu_rs_event_record(
     })
 }
 
+/// The profiler's per-op marker (no DeferAndFuse flush); `*event` as for a record.
+///
+/// # Safety
+/// `event` points at NULL or a handle from these functions; valid error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_event_marker(
+    event: *mut *mut c_void,
+    stream: i64,
+    err: *mut TpuError,
+) -> i32 {
+    guarded(err, "profiler marker", || {
+        let ev = runtime::stream::marker(stream.max(0) as usize)?;
+        // SAFETY: per the contract, `*event` is NULL or a live handle we made.
+        unsafe {
+            let old = *event as *mut runtime::stream::Event;
+            if !old.is_null() {
+                drop(Box::from_raw(old));
+            }
+            *event = Box::into_raw(Box::new(ev)) as *mut c_void;
+        }
+        Ok(OK)
+    })
+}
+
 /// # Safety
 /// `event` is NULL or a live handle from `tpu_rs_event_record`, freed once.
 #[no_mangle]

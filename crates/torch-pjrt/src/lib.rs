@@ -134,6 +134,81 @@ fn event_elapsed(start: usize, end: usize) -> PyResult<f64> {
     }
 }
 
+/// Sets the XLA options of the next compilations (torch.tpu.compiler.custom_compiler_options):
+/// (name, bool | int | float | str) pairs; returns the previous ones.
+#[pyfunction]
+fn set_compiler_options(
+    py: Python<'_>,
+    options: Vec<(String, PyObject)>,
+) -> PyResult<Vec<(String, PyObject)>> {
+    use pjrt::OptionValue;
+    use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
+    let mut list = Vec::with_capacity(options.len());
+    for (name, v) in options {
+        let v = v.bind(py);
+        let value = if v.is_instance_of::<PyBool>() {
+            OptionValue::Bool(v.extract()?)
+        } else if v.is_instance_of::<PyInt>() {
+            OptionValue::Int(v.extract()?)
+        } else if v.is_instance_of::<PyFloat>() {
+            OptionValue::Float(v.extract()?)
+        } else if v.is_instance_of::<PyString>() {
+            OptionValue::Str(v.extract()?)
+        } else {
+            return Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                "compiler option {name}: expected a bool, int, float or str, got {}",
+                v.get_type().name()?
+            )));
+        };
+        list.push((name, value));
+    }
+    use pyo3::IntoPyObjectExt;
+    let mut prev = Vec::new();
+    for (n, v) in runtime::options::set(list) {
+        let obj = match v {
+            OptionValue::Bool(b) => b.into_py_any(py)?,
+            OptionValue::Int(i) => i.into_py_any(py)?,
+            OptionValue::Float(f) => f.into_py_any(py)?,
+            OptionValue::Str(s) => s.into_py_any(py)?,
+        };
+        prev.push((n, obj));
+    }
+    Ok(prev)
+}
+
+/// Starts the device trace (torch.tpu.profiler).
+#[pyfunction]
+fn trace_start() {
+    runtime::trace::start();
+}
+
+/// Stops the device trace: (name, device, stream, queued, start, end, source, source
+/// seconds) per program run, times in ns since `trace_epoch_wall_ns()`.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+fn trace_stop() -> Vec<(String, usize, usize, u64, u64, u64, &'static str, f64)> {
+    use runtime::trace::Source;
+    runtime::trace::stop()
+        .into_iter()
+        .map(|r| {
+            let (kind, secs) = match r.source {
+                Source::Hit => ("cache hit", 0.0),
+                Source::Compiled(s) => ("compiled", s),
+                Source::Loaded(s) => ("loaded from disk", s),
+            };
+            (
+                r.name, r.device, r.stream, r.queued, r.start, r.end, kind, secs,
+            )
+        })
+        .collect()
+}
+
+/// Wall-clock nanoseconds since 1970 of the device trace's time zero.
+#[pyfunction]
+fn trace_epoch_wall_ns() -> u64 {
+    runtime::trace::epoch_wall_ns()
+}
+
 #[pyfunction]
 fn device_count() -> usize {
     runtime::device_count()
@@ -358,6 +433,10 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
     m.add_function(wrap_pyfunction!(event_elapsed, m)?)?;
+    m.add_function(wrap_pyfunction!(trace_start, m)?)?;
+    m.add_function(wrap_pyfunction!(set_compiler_options, m)?)?;
+    m.add_function(wrap_pyfunction!(trace_stop, m)?)?;
+    m.add_function(wrap_pyfunction!(trace_epoch_wall_ns, m)?)?;
     m.add_function(wrap_pyfunction!(in_bad_fork, m)?)?;
     m.add_function(wrap_pyfunction!(platform_name, m)?)?;
     m.add_function(wrap_pyfunction!(device_kind, m)?)?;
