@@ -169,8 +169,9 @@ pub struct Worker {
     /// Highest (untagged) sequence number the worker has completed.
     done: AtomicU64,
     sleeping: AtomicBool,
-    /// The outputs of the last job it ran (a marker waits for them to be computed).
-    last: Mutex<Vec<Arc<pjrt::Buffer>>>,
+    /// The outputs of the last job it ran (a marker waits for them to be computed). Weak:
+    /// holding them would keep the next job from donating them.
+    last: Mutex<Vec<std::sync::Weak<pjrt::Buffer>>>,
 }
 
 /// Jobs in flight before the Python thread waits (bounds memory held by the queue).
@@ -342,7 +343,10 @@ impl Worker {
             let start = crate::trace::now();
             let r = self.execute(seq, &job);
             if let (Some(q), Ok(()), Some(device)) = (traced, &r, job.device()) {
-                let outs = lock(&self.last).clone();
+                let outs: Vec<Arc<pjrt::Buffer>> = lock(&self.last)
+                    .iter()
+                    .filter_map(|w| w.upgrade())
+                    .collect();
                 crate::trace::finish(&job.op, device, self.index, q, start, &outs);
             }
             if let Err(e) = r {
@@ -369,7 +373,7 @@ impl Worker {
         match &job.work {
             Work::Mark(m) => {
                 let last = std::mem::take(&mut *lock(&self.last));
-                for b in &last {
+                for b in last.iter().filter_map(|w| w.upgrade()) {
                     // A failed buffer is reported by its op; the marker only needs it done.
                     let _ = b.ready();
                 }
@@ -389,7 +393,7 @@ impl Worker {
                 // SAFETY: the shim keeps the CPU tensor alive until `src` drops.
                 let bytes = unsafe { std::slice::from_raw_parts(src.ptr, src.len) };
                 let b = Arc::new(rt.upload(bytes, *dtype, dims, *device)?);
-                *lock(&self.last) = vec![b.clone()];
+                *lock(&self.last) = vec![Arc::downgrade(&b)];
                 for (s, dt) in &job.outputs {
                     s.fill(seq, b.clone(), *dt);
                 }
@@ -458,7 +462,7 @@ impl Worker {
             .fetch_add(donated.len() as u64, Ordering::Relaxed);
         let mut outs: Vec<Arc<pjrt::Buffer>> = outs.into_iter().map(Arc::new).collect();
         rt.track(&job.op, &outs);
-        *lock(&self.last) = outs.clone();
+        *lock(&self.last) = outs.iter().map(Arc::downgrade).collect();
         let check = match &job.work {
             Work::Op(p) => crate::exec::failed_check(rt, &p.outputs, &outs),
             Work::Graph { checks, .. } => {

@@ -1,5 +1,6 @@
-//! Loss-like and bag ops: multi-margin and multilabel-margin losses, CTC loss, embedding
-//! bags and segment reductions, forward and backward.
+//! Losses and loss-like bag ops, forward and backward: NLL, MSE, L1, smooth L1/Huber,
+//! binary cross-entropy (and the reduction they share), multi-margin and multilabel-margin
+//! losses, CTC loss, embedding bags and segment reductions.
 //!
 //! Their CPU kernels also check index *values* (targets in range, offsets starting at 0,
 //! lengths summing to the data size); those checks need the data on the host, so here
@@ -7,7 +8,7 @@
 
 use stablehlo::{CmpDir, ReduceKind};
 
-use super::nn::{loss_grad, reduce_loss, reduction};
+use super::nn_common::*;
 use super::{opmath, take_flat, take_rows};
 use crate::promote::{promote_types, torch_name};
 use crate::shape::{numel, shape_str, wrap_dim};
@@ -1670,7 +1671,498 @@ fn ctc_loss_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.transpose(gr, &[1, 0, 2]))])
 }
 
+// ---------------------------------------------------------------------------------------
+// Pointwise losses, NLL, binary cross-entropy and their shared reduction
+// ---------------------------------------------------------------------------------------
+
+/// The `reduction` argument: 0 none, 1 mean, 2 sum.
+pub(crate) fn reduction(c: &Ctx) -> LResult<i64> {
+    let r = c.args.int_or("reduction", 1);
+    if !(0..=2).contains(&r) {
+        return decline(format!("unknown reduction {r}"));
+    }
+    Ok(r)
+}
+
+pub(crate) fn reduce_loss(b: &mut Builder, x: Value, r: i64) -> Value {
+    if r == 0 {
+        return x;
+    }
+    let shape = b.shape(x);
+    let dims: Vec<i64> = (0..shape.len() as i64).collect();
+    let s = b.reduce(x, &dims, ReduceKind::Sum);
+    if r == 1 {
+        let n = b.splat(s, numel(&shape) as f64);
+        b.div(s, n)
+    } else {
+        s
+    }
+}
+
+/// `grad_output` broadcast over the loss elements (already divided by their count for mean).
+pub(crate) fn loss_grad(b: &mut Builder, g: Value, shape: &[i64], r: i64) -> Value {
+    let g = b.broadcast_to(g, shape);
+    if r == 1 {
+        let n = b.splat(g, numel(shape) as f64);
+        b.div(g, n)
+    } else {
+        g
+    }
+}
+
+fn mse_loss(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let r = reduction(c)?;
+    let (v, dt, _) = pair(c, &["self", "target"])?;
+    let b = &mut *c.b;
+    let d = b.sub(v[0], v[1]);
+    let d2 = b.mul(d, d);
+    let l = reduce_loss(b, d2, r);
+    Ok(vec![Out::T(b.convert(l, dt))])
+}
+
+fn mse_loss_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let r = reduction(c)?;
+    let (v, dt, shape) = pair(c, &["grad_output", "self", "target"])?;
+    let b = &mut *c.b;
+    let d = b.sub(v[1], v[2]);
+    let two = b.splat(d, 2.0);
+    let d = b.mul(two, d);
+    let g = loss_grad(b, v[0], &shape, r);
+    let gi = b.mul(d, g);
+    Ok(vec![Out::T(b.convert(gi, dt))])
+}
+
+/// smooth_l1_loss (`beta`) and huber_loss (`delta`), forward.
+fn smooth_l1(c: &mut Ctx, huber: bool) -> LResult<Vec<Out>> {
+    let r = reduction(c)?;
+    let k = c.args.float(if huber { "delta" } else { "beta" })?;
+    if huber && k <= 0.0 {
+        return user_err(
+            ErrorKind::Runtime,
+            "huber_loss does not support non-positive values for delta.",
+        );
+    }
+    if !huber && k < 0.0 {
+        return user_err(
+            ErrorKind::Runtime,
+            "smooth_l1_loss does not support negative values for beta.",
+        );
+    }
+    let (v, dt, _) = pair(c, &["self", "target"])?;
+    let b = &mut *c.b;
+    let d = b.sub(v[0], v[1]);
+    let a = b.abs(d);
+    let l = if !huber && k == 0.0 {
+        a
+    } else {
+        let kv = b.splat(a, k);
+        let half = b.splat(a, 0.5);
+        let small = b.compare(a, kv, CmpDir::Lt);
+        let sq = b.mul(d, d);
+        let sq = b.mul(half, sq);
+        let hk = b.splat(a, 0.5 * k);
+        let lin = b.sub(a, hk);
+        if huber {
+            let lin = b.mul(kv, lin);
+            b.select(small, sq, lin)
+        } else {
+            let sq = b.div(sq, kv);
+            b.select(small, sq, lin)
+        }
+    };
+    let l = reduce_loss(b, l, r);
+    Ok(vec![Out::T(b.convert(l, dt))])
+}
+
+fn smooth_l1_backward(c: &mut Ctx, huber: bool) -> LResult<Vec<Out>> {
+    let r = reduction(c)?;
+    let k = c.args.float(if huber { "delta" } else { "beta" })?;
+    let (v, dt, shape) = pair(c, &["grad_output", "self", "target"])?;
+    let b = &mut *c.b;
+    let d = b.sub(v[1], v[2]);
+    let g = loss_grad(b, v[0], &shape, r);
+    let kv = b.splat(d, k);
+    let nk = b.splat(d, -k);
+    let lo = b.compare(d, nk, CmpDir::Lt);
+    let hi = b.compare(d, kv, CmpDir::Gt);
+    // Outside the quadratic zone the slope is -1/+1 (times delta for huber).
+    let (neg, pos, mid) = if huber {
+        let gk = b.mul(g, kv);
+        let ngk = b.neg(gk);
+        let mid = b.mul(d, g);
+        (ngk, gk, mid)
+    } else {
+        let ng = b.neg(g);
+        let dg = b.mul(d, g);
+        let mid = b.div(dg, kv);
+        (ng, g, mid)
+    };
+    let t = b.select(hi, pos, mid);
+    let gi = b.select(lo, neg, t);
+    Ok(vec![Out::T(b.convert(gi, dt))])
+}
+
+fn binary_cross_entropy(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let r = reduction(c)?;
+    let names: &[&str] = if c.args.has("weight") {
+        &["self", "target", "weight"]
+    } else {
+        &["self", "target"]
+    };
+    let xs = c.args.tensor("self")?.shape.clone();
+    let (v, dt, shape) = pair(c, names)?;
+    if shape != xs {
+        return decline("binary_cross_entropy: operands broadcast beyond self");
+    }
+    let b = &mut *c.b;
+    let (x, t) = (v[0], v[1]);
+    // (t - 1) * max(log1p(-x), -100) - t * max(log(x), -100)
+    let lo = b.splat(x, -100.0);
+    let nx = b.neg(x);
+    let l1 = b.unary("stablehlo.log_plus_one", nx);
+    let l1 = b.max(l1, lo);
+    let l0 = b.log(x);
+    let l0 = b.max(l0, lo);
+    let one = b.splat(x, 1.0);
+    let tm1 = b.sub(t, one);
+    let a = b.mul(tm1, l1);
+    let bb = b.mul(t, l0);
+    let mut l = b.sub(a, bb);
+    if v.len() == 3 {
+        l = b.mul(l, v[2]);
+    }
+    let l = reduce_loss(b, l, r);
+    Ok(vec![Out::T(b.convert(l, dt))])
+}
+
+fn binary_cross_entropy_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let r = reduction(c)?;
+    let names: &[&str] = if c.args.has("weight") {
+        &["grad_output", "self", "target", "weight"]
+    } else {
+        &["grad_output", "self", "target"]
+    };
+    let (v, dt, shape) = pair(c, names)?;
+    let b = &mut *c.b;
+    let (x, t) = (v[1], v[2]);
+    // g * (x - t) / max((1 - x) * x, 1e-12) * w
+    let g = loss_grad(b, v[0], &shape, r);
+    let one = b.splat(x, 1.0);
+    let omx = b.sub(one, x);
+    let den = b.mul(omx, x);
+    let eps = b.splat(x, 1e-12);
+    let den = b.max(den, eps);
+    let num = b.sub(x, t);
+    let q = b.div(num, den);
+    let mut gi = b.mul(g, q);
+    if v.len() == 4 {
+        gi = b.mul(gi, v[3]);
+    }
+    Ok(vec![Out::T(b.convert(gi, dt))])
+}
+
+fn binary_cross_entropy_with_logits(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let r = reduction(c)?;
+    let mut names = vec!["self", "target"];
+    let has_w = c.args.has("weight");
+    let has_pw = c.args.has("pos_weight");
+    if has_w {
+        names.push("weight");
+    }
+    if has_pw {
+        names.push("pos_weight");
+    }
+    let (v, dt, _) = pair(c, &names)?;
+    let b = &mut *c.b;
+    let (x, t) = (v[0], v[1]);
+    // log_sigmoid(x) = min(x, 0) - log1p(exp(-|x|))
+    let zero = b.splat(x, 0.0);
+    let one = b.splat(x, 1.0);
+    let mn = b.min(x, zero);
+    let ax = b.abs(x);
+    let nax = b.neg(ax);
+    let e = b.exp(nax);
+    let lp = b.unary("stablehlo.log_plus_one", e);
+    let mut ls = b.sub(mn, lp);
+    if has_pw {
+        let pw = v[if has_w { 3 } else { 2 }];
+        let pm1 = b.sub(pw, one);
+        let lw = b.mul(pm1, t);
+        let lw = b.add(lw, one);
+        ls = b.mul(ls, lw);
+    }
+    let omt = b.sub(one, t);
+    let l = b.mul(omt, x);
+    let mut l = b.sub(l, ls);
+    if has_w {
+        l = b.mul(l, v[2]);
+    }
+    let l = reduce_loss(b, l, r);
+    Ok(vec![Out::T(b.convert(l, dt))])
+}
+
+/// The class-dim one-hot of `target` over `shape` (class dim `cd`), and target != ignore_index.
+fn nll_masks(
+    b: &mut Builder,
+    t: &TensorArg,
+    shape: &[i64],
+    cd: usize,
+    ignore: i64,
+) -> (Value, Value) {
+    let ti = b.convert(t.value, DType::I64);
+    let cls = b.iota(DType::I64, shape, cd);
+    let tdims: Vec<i64> = (0..shape.len() as i64)
+        .filter(|d| *d != cd as i64)
+        .collect();
+    let tb = b.broadcast_in_dim(ti, shape, &tdims);
+    let onehot = b.compare(cls, tb, CmpDir::Eq);
+    let ii = b.splat(ti, ignore as f64);
+    let valid = b.compare(ti, ii, CmpDir::Ne);
+    (onehot, valid)
+}
+
+/// Checks nll_loss / nll_loss2d arguments; returns the class dim.
+fn nll_check(
+    c: &Ctx,
+    x: &TensorArg,
+    t: &TensorArg,
+    w: Option<&TensorArg>,
+    two_d: bool,
+) -> LResult<usize> {
+    if !matches!(t.dtype, DType::I64 | DType::U8) {
+        return decline("nll_loss: target dtype is not Long or Byte");
+    }
+    float_input(x, c.op)?;
+    let cd = if two_d {
+        if t.shape.len() != 3 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "only batches of spatial targets supported (3D tensors) but got targets of dimension: {}",
+                    t.shape.len()
+                ),
+            );
+        }
+        if x.shape.len() != 4 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "only batches of spatial inputs supported (4D tensors), but got input of dimension: {}",
+                    x.shape.len()
+                ),
+            );
+        }
+        if x.shape[0] != t.shape[0] || x.shape[2] != t.shape[1] || x.shape[3] != t.shape[2] {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "size mismatch (got input: {} , target: {}",
+                    shape_str(&x.shape),
+                    shape_str(&t.shape)
+                ),
+            );
+        }
+        if let Some(w) = w {
+            if numel(&w.shape) != x.shape[1] {
+                return user_err(
+                    ErrorKind::Runtime,
+                    "weight tensor should be defined either for all or no classes",
+                );
+            }
+        }
+        1
+    } else {
+        if x.shape.is_empty() || x.shape.len() > 2 {
+            return user_err(ErrorKind::Runtime, "input tensor should be 1D or 2D");
+        }
+        if t.shape.len() > 1 {
+            return user_err(
+                ErrorKind::Runtime,
+                "0D or 1D target tensor expected, multi-target not supported",
+            );
+        }
+        if x.shape.len() == 1 {
+            if t.shape.len() == 1 && t.shape[0] != 1 {
+                return user_err(
+                    ErrorKind::Value,
+                    format!(
+                        "For 1D input, 1D target must have size 1, but got target size: {}",
+                        t.shape[0]
+                    ),
+                );
+            }
+        } else if t.shape.first() != Some(&x.shape[0]) {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "size mismatch (got input: {}, target: {})",
+                    shape_str(&x.shape),
+                    shape_str(&t.shape)
+                ),
+            );
+        }
+        let classes = *x.shape.last().expect("rank checked");
+        if let Some(w) = w {
+            if w.shape.len() != 1 || w.shape[0] != classes {
+                return user_err(
+                    ErrorKind::Runtime,
+                    format!(
+                        "weight tensor should be defined either for all {classes} classes or no classes but got weight tensor of shape: {}",
+                        shape_str(&w.shape)
+                    ),
+                );
+            }
+        }
+        x.shape.len() - 1
+    };
+    Ok(cd)
+}
+
+/// The weight of each target (w[target], or 1), zero where the target is ignored.
+fn nll_target_weight(
+    b: &mut Builder,
+    w: Option<&TensorArg>,
+    x: &TensorArg,
+    cd: usize,
+    onehot: Value,
+    valid: Value,
+) -> Value {
+    let cdt = opmath(x.dtype);
+    let tshape = b.shape(valid);
+    let wt = match w {
+        Some(w) => {
+            let wv = b.convert(w.value, cdt);
+            let wv = b.reshape(wv, &[x.shape[cd]]);
+            let wb = b.broadcast_in_dim(wv, &x.shape, &[cd as i64]);
+            let z = b.splat(wb, 0.0);
+            let s = b.select(onehot, wb, z);
+            b.reduce(s, &[cd as i64], ReduceKind::Sum)
+        }
+        None => b.full(cdt, &tshape, 1.0),
+    };
+    let z = b.splat(wt, 0.0);
+    b.select(valid, wt, z)
+}
+
+pub(super) fn nll_loss(c: &mut Ctx, two_d: bool) -> LResult<Vec<Out>> {
+    let x = tensor(c, "self")?;
+    let mut t = tensor(c, "target")?;
+    let w = c.args.opt_tensor("weight").cloned();
+    let r = reduction(c)?;
+    let ignore = c.args.int("ignore_index")?;
+    let cd = nll_check(c, &x, &t, w.as_ref(), two_d)?;
+    let b = &mut *c.b;
+    // Targets outside [0, classes) other than ignore_index raise, as on the CPU.
+    let ti = b.convert(t.value, DType::I64);
+    let ii = b.splat(ti, ignore as f64);
+    let ignored = b.compare(ti, ii, CmpDir::Eq);
+    let zero = b.splat(ti, 0.0);
+    let checked = b.select(ignored, zero, ti);
+    let classes = x.shape[cd];
+    c.check_range(
+        checked,
+        0,
+        classes,
+        ErrorKind::Index,
+        "Target {index} is out of bounds.".into(),
+    );
+    let b = &mut *c.b;
+    if x.shape.len() == 1 {
+        t.value = b.reshape(t.value, &[]);
+        t.shape = vec![];
+    }
+    let cdt = opmath(x.dtype);
+    let (onehot, valid) = nll_masks(b, &t, &x.shape, cd, ignore);
+    let wt = nll_target_weight(b, w.as_ref(), &x, cd, onehot, valid);
+    let xv = b.convert(x.value, cdt);
+    let z = b.splat(xv, 0.0);
+    let sel = b.select(onehot, xv, z);
+    let picked = b.reduce(sel, &[cd as i64], ReduceKind::Sum);
+    let l = b.mul(picked, wt);
+    let l = b.neg(l);
+    let zt = b.splat(l, 0.0);
+    let l = b.select(valid, l, zt);
+    // Unreduced 2-d losses report total_weight 0; a 1-d input always sums its weight.
+    let (out, tw) = if r == 0 && x.shape.len() > 1 {
+        (l, b.constant(cdt, 0.0))
+    } else if r == 0 {
+        (l, wt)
+    } else {
+        let dims: Vec<i64> = (0..t.shape.len() as i64).collect();
+        let s = b.reduce(l, &dims, ReduceKind::Sum);
+        let tw = b.reduce(wt, &dims, ReduceKind::Sum);
+        (if r == 1 { b.div(s, tw) } else { s }, tw)
+    };
+    Ok(vec![
+        Out::T(b.convert(out, x.dtype)),
+        Out::T(b.convert(tw, x.dtype)),
+    ])
+}
+
+fn nll_loss_backward(c: &mut Ctx, two_d: bool) -> LResult<Vec<Out>> {
+    let g = tensor(c, "grad_output")?;
+    let x = tensor(c, "self")?;
+    let mut t = tensor(c, "target")?;
+    let w = c.args.opt_tensor("weight").cloned();
+    let r = reduction(c)?;
+    let ignore = c.args.int("ignore_index")?;
+    let tw = tensor(c, "total_weight")?;
+    let cd = nll_check(c, &x, &t, w.as_ref(), two_d)?;
+    let b = &mut *c.b;
+    if x.shape.len() == 1 {
+        t.value = b.reshape(t.value, &[]);
+        t.shape = vec![];
+    }
+    let cdt = opmath(x.dtype);
+    let (onehot, valid) = nll_masks(b, &t, &x.shape, cd, ignore);
+    let wt = nll_target_weight(b, w.as_ref(), &x, cd, onehot, valid);
+    let gv = b.convert(g.value, cdt);
+    if (r == 0 && g.shape != t.shape) || (r != 0 && numel(&g.shape) != 1) {
+        return decline("nll_loss_backward: grad_output shape");
+    }
+    let gv = if r == 0 { gv } else { b.reshape(gv, &[]) };
+    let gv = b.broadcast_to(gv, &t.shape);
+    let mut coef = b.mul(gv, wt);
+    coef = b.neg(coef);
+    if r == 1 {
+        let twv = b.convert(tw.value, cdt);
+        let twv = b.reshape(twv, &[]);
+        let twv = b.broadcast_to(twv, &t.shape);
+        coef = b.div(coef, twv);
+    }
+    let tdims: Vec<i64> = (0..x.shape.len() as i64)
+        .filter(|d| *d != cd as i64)
+        .collect();
+    let cb = b.broadcast_in_dim(coef, &x.shape, &tdims);
+    let vb = b.broadcast_in_dim(valid, &x.shape, &tdims);
+    let m = b.and(onehot, vb);
+    let z = b.splat(cb, 0.0);
+    let gi = b.select(m, cb, z);
+    Ok(vec![Out::T(b.convert(gi, x.dtype))])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
+    ("aten::nll_loss_forward", |c| nll_loss(c, false)),
+    ("aten::nll_loss_backward", |c| nll_loss_backward(c, false)),
+    ("aten::nll_loss2d_forward", |c| nll_loss(c, true)),
+    ("aten::nll_loss2d_backward", |c| nll_loss_backward(c, true)),
+    ("aten::mse_loss", mse_loss),
+    ("aten::mse_loss_backward", mse_loss_backward),
+    ("aten::smooth_l1_loss", |c| smooth_l1(c, false)),
+    ("aten::smooth_l1_loss_backward", |c| {
+        smooth_l1_backward(c, false)
+    }),
+    ("aten::huber_loss", |c| smooth_l1(c, true)),
+    ("aten::huber_loss_backward", |c| smooth_l1_backward(c, true)),
+    ("aten::binary_cross_entropy", binary_cross_entropy),
+    (
+        "aten::binary_cross_entropy_backward",
+        binary_cross_entropy_backward,
+    ),
+    (
+        "aten::binary_cross_entropy_with_logits",
+        binary_cross_entropy_with_logits,
+    ),
     ("aten::multi_margin_loss", multi_margin_loss),
     (
         "aten::multi_margin_loss_backward",

@@ -10,16 +10,25 @@ use crate::promote::{result_type, Operand};
 use crate::shape::broadcast_all;
 use crate::{Builder, Ctx, DType, LResult, Rule, TensorArg, Value};
 
+pub mod activations;
 pub mod amp;
+pub mod attention;
+pub mod convolution;
 pub mod decomp;
 pub mod foreach;
 pub mod index;
 pub mod linalg;
 pub mod losses;
-pub mod nn;
+pub mod nn_common;
+#[cfg(test)]
+mod nn_tests;
+pub mod normalization;
+pub mod padding;
 pub mod pointwise;
+pub mod pooling;
 pub mod random;
 pub mod reduce;
+pub mod resampling;
 pub mod sorting;
 pub mod special;
 pub mod views;
@@ -31,7 +40,13 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         linalg::RULES,
         views::RULES,
         index::RULES,
-        nn::RULES,
+        normalization::RULES,
+        convolution::RULES,
+        attention::RULES,
+        pooling::RULES,
+        padding::RULES,
+        activations::RULES,
+        resampling::RULES,
         random::RULES,
         foreach::RULES,
         special::RULES,

@@ -1,4 +1,4 @@
-//! Random sampling.
+//! Random sampling, and dropout.
 //!
 //! Bits come from XLA's counter-based ThreeFry (`stablehlo.rng_bit_generator`) keyed by the
 //! generator's seed; the counter starts at the generator's offset. Each draw inside one op
@@ -7,6 +7,8 @@
 //! reuse a counter and `manual_seed` replays them exactly. ThreeFry uses at most one
 //! counter per returned word (u32 or u64), so counting words is a safe upper bound.
 
+use super::nn_common::{float_input, tensor};
+use super::opmath;
 use crate::args::Arg;
 use crate::promote::cpp_name;
 use crate::promote::torch_name;
@@ -730,7 +732,76 @@ fn multinomial(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(c.b.reshape(out, &out_shape))])
 }
 
+// ---------------------------------------------------------------------------------------
+// Dropout
+// ---------------------------------------------------------------------------------------
+
+/// native_dropout: in training, keep each element with probability 1 - p and scale the kept
+/// ones by 1 / (1 - p); otherwise return the input and an all-true mask.
+fn native_dropout(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let x = tensor(c, "input")?;
+    let p = c.args.float("p")?;
+    let train = match c.args.get("train") {
+        Some(crate::Arg::Bool(t)) => *t,
+        _ => true,
+    };
+    if !train || numel(&x.shape) == 0 {
+        let ones = c.b.full(DType::Bool, &x.shape, 1.0);
+        return Ok(vec![Out::T(x.value), Out::T(ones)]);
+    }
+    float_input(&x, "native_dropout")?;
+    if !(0.0..=1.0).contains(&p) {
+        // The CPU fallback raises bernoulli_'s message with PyTorch's number formatting.
+        return decline("native_dropout: p outside [0, 1]");
+    }
+    let keep = 1.0 - p;
+    let scale = if keep == 0.0 { 0.0 } else { 1.0 / keep };
+    let cd = opmath(x.dtype);
+    let u = super::random::uniform(c, &x.shape, cd);
+    let b = &mut *c.b;
+    let k = b.splat(u, keep);
+    let mask = b.compare(u, k, CmpDir::Lt);
+    let xv = b.convert(x.value, cd);
+    let m = b.convert(mask, cd);
+    let y = b.mul(xv, m);
+    let s = b.splat(y, scale);
+    let y = b.mul(y, s);
+    Ok(vec![Out::T(b.convert(y, x.dtype)), Out::T(mask)])
+}
+
+fn native_dropout_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let g = tensor(c, "grad_output")?;
+    let m = tensor(c, "mask")?;
+    let scale = c.args.float("scale")?;
+    if m.shape != g.shape {
+        return decline("native_dropout_backward: mask shape");
+    }
+    let b = &mut *c.b;
+    if !g.dtype.is_float() {
+        // PyTorch's `grad * mask * scale`: the product in grad's dtype, then times the
+        // Python float, which makes the result float32.
+        let mv = b.convert(m.value, g.dtype);
+        let t = if g.dtype == DType::Bool {
+            b.and(g.value, mv)
+        } else {
+            b.mul(g.value, mv)
+        };
+        let t = b.convert(t, DType::F32);
+        let k = b.splat(t, scale);
+        return Ok(vec![Out::T(b.mul(t, k))]);
+    }
+    let cd = opmath(g.dtype);
+    let gv = b.convert(g.value, cd);
+    let mv = b.convert(m.value, cd);
+    let t = b.mul(gv, mv);
+    let k = b.splat(t, scale);
+    let r = b.mul(t, k);
+    Ok(vec![Out::T(b.convert(r, g.dtype))])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
+    ("aten::native_dropout", native_dropout),
+    ("aten::native_dropout_backward", native_dropout_backward),
     ("aten::uniform", uniform_rule),
     ("aten::normal", normal_rule),
     ("aten::normal_functional", normal_rule),
