@@ -220,6 +220,19 @@ def _restore_global_state():
         torch.tpu.set_device(dev)
 
 
+EAGER_MODES = [torch.tpu.EagerMode.DEFER_NEVER, torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
+               torch.tpu.EagerMode.DEFER_AND_FUSE]
+EAGER_MODE_IDS = ["strict", "debug", "defer"]
+
+
+@pytest.fixture(params=EAGER_MODES, ids=EAGER_MODE_IDS)
+def eager_mode(request):
+    """Runs the test once in each eager mode (whatever mode the process started in)."""
+    with torch.tpu.set_eager_mode(request.param):
+        yield request.param
+        torch.tpu.synchronize()
+
+
 @pytest.fixture
 def seed():
     torch.manual_seed(0)

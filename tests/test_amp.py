@@ -14,14 +14,13 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from conftest import fallbacks
+from conftest import EAGER_MODE_IDS, EAGER_MODES, fallbacks
 from test_training import GPT, make_data
 
 import torch_pjrt
 
 EM = torch.tpu.EagerMode
-MODES = [EM.DEFER_NEVER, EM.DEFER_NEVER_AND_LAUNCH_BLOCKING, EM.DEFER_AND_FUSE]
-MODE_IDS = ["strict", "debug", "defer"]
+MODES, MODE_IDS = EAGER_MODES, EAGER_MODE_IDS
 LOW = (torch.bfloat16, torch.float16)
 
 # CUDA registers these for its own libraries only (cuDNN); they never reach a tpu tensor.

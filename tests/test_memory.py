@@ -12,17 +12,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-EM = torch.tpu.EagerMode
-MODES = [EM.DEFER_NEVER, EM.DEFER_NEVER_AND_LAUNCH_BLOCKING, EM.DEFER_AND_FUSE]
-MODE_IDS = ["strict", "debug", "defer"]
-
-
-@pytest.fixture(params=MODES, ids=MODE_IDS)
-def mode(request):
-    with torch.tpu.set_eager_mode(request.param):
-        yield request.param
-    torch.tpu.synchronize()
-
 
 @pytest.fixture(autouse=True)
 def _no_limit():
@@ -43,7 +32,7 @@ def nbytes(*ts):
     return sum(seen.values())
 
 
-def test_counts_follow_tensors(mode):
+def test_counts_follow_tensors(eager_mode):
     base = allocated()
     a = torch.ones(1000, device="tpu")
     b = torch.zeros(250, 4, dtype=torch.float64, device="tpu")
@@ -60,7 +49,7 @@ def test_counts_follow_tensors(mode):
     assert allocated() == base
 
 
-def test_peak_and_reset(mode):
+def test_peak_and_reset(eager_mode):
     torch.tpu.reset_peak_memory_stats()
     base = allocated()
     x = torch.empty(1 << 20, device="tpu")
@@ -70,7 +59,7 @@ def test_peak_and_reset(mode):
     assert torch.tpu.max_memory_allocated() == allocated()
 
 
-def test_training_state_is_counted_exactly(mode):
+def test_training_state_is_counted_exactly(eager_mode):
     torch.manual_seed(0)
     base = allocated()
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 8)).to("tpu")
@@ -132,7 +121,7 @@ OVERSIZED = {
 
 
 @pytest.mark.parametrize("how", list(OVERSIZED))
-def test_more_than_the_machine_raises_and_training_goes_on(how, mode):
+def test_more_than_the_machine_raises_and_training_goes_on(how, eager_mode):
     cpu, tpu = _models()
     opt_c = torch.optim.SGD(cpu.parameters(), lr=0.1, momentum=0.9)
     opt_t = torch.optim.SGD(tpu.parameters(), lr=0.1, momentum=0.9)
@@ -152,7 +141,7 @@ def test_more_than_the_machine_raises_and_training_goes_on(how, mode):
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-4, atol=0)
 
 
-def test_fraction_limits_and_can_be_raised(mode):
+def test_fraction_limits_and_can_be_raised(eager_mode):
     keep = torch.ones(1 << 16, device="tpu")
     torch.tpu.set_per_process_memory_fraction(0.0)
     with pytest.raises(torch.OutOfMemoryError, match="set_per_process_memory_fraction"):

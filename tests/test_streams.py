@@ -14,17 +14,6 @@ import torch
 import torch.nn as nn
 
 EM = torch.tpu.EagerMode
-MODES = [EM.DEFER_NEVER, EM.DEFER_NEVER_AND_LAUNCH_BLOCKING, EM.DEFER_AND_FUSE]
-MODE_IDS = ["strict", "debug", "defer"]
-
-
-@pytest.fixture(params=MODES, ids=MODE_IDS)
-def mode(request):
-    with torch.tpu.set_eager_mode(request.param):
-        yield request.param
-        torch.tpu.synchronize()
-
-
 def test_api_surface():
     s = torch.tpu.Stream()
     assert isinstance(s, torch.Stream) and s.device == torch.device("tpu", 0)
@@ -61,7 +50,7 @@ def test_current_stream_is_per_thread():
     assert seen == [0]
 
 
-def test_wait_stream_orders_work(mode):
+def test_wait_stream_orders_work(eager_mode):
     x = torch.randn(64, 64)
     s = torch.tpu.Stream()
     a = x.to("tpu")
@@ -73,7 +62,7 @@ def test_wait_stream_orders_work(mode):
     torch.testing.assert_close(c.cpu(), (x @ x + 1).relu().sum(0), rtol=1e-5, atol=1e-5)
 
 
-def test_reading_another_streams_result_without_a_wait_is_still_right(mode):
+def test_reading_another_streams_result_without_a_wait_is_still_right(eager_mode):
     x = torch.arange(1000.0)
     s = torch.tpu.Stream()
     with torch.tpu.stream(s):
@@ -84,7 +73,7 @@ def test_reading_another_streams_result_without_a_wait_is_still_right(mode):
     assert torch.equal(b.cpu(), (x * 3 + 20) * 2)
 
 
-def test_events_query_synchronize_wait_and_time(mode):
+def test_events_query_synchronize_wait_and_time(eager_mode):
     s = torch.tpu.Stream()
     start, end = torch.tpu.Event(enable_timing=True), torch.tpu.Event(enable_timing=True)
     x = torch.randn(128, 128, device="tpu")
@@ -132,7 +121,7 @@ def test_streams_run_concurrently():
     assert torch.isfinite(y).all().item()
 
 
-def test_nonblocking_copy_on_a_side_stream(mode):
+def test_nonblocking_copy_on_a_side_stream(eager_mode):
     s = torch.tpu.Stream()
     batches = [torch.randn(256, 64) for _ in range(3)]
     want = [b.clone() for b in batches]
@@ -163,7 +152,7 @@ def test_failure_on_a_side_stream_is_raised_by_synchronize():
     assert x.sum().item() == 6.0
 
 
-def test_backward_on_a_side_stream_matches_cpu(mode):
+def test_backward_on_a_side_stream_matches_cpu(eager_mode):
     torch.manual_seed(0)
     cpu = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
     tpu = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).to("tpu")
@@ -192,7 +181,7 @@ def test_record_stream_is_accepted():
         b.record_stream(torch.Stream(device="cpu"))
 
 
-def test_cross_stream_in_place_chains(mode):
+def test_cross_stream_in_place_chains(eager_mode):
     """Streams reading and rewriting each other's tensors without waits: each job waits for
     the writers queued before it, never for later ones (which would deadlock here)."""
     s = torch.tpu.Stream()

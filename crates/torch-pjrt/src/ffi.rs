@@ -363,6 +363,21 @@ pub unsafe extern "C" fn tpu_rs_stream_synchronize(stream: i64, err: *mut TpuErr
     })
 }
 
+/// Puts `ev` into `*event`, freeing the event it held.
+///
+/// # Safety
+/// `*event` is NULL or a live handle made by `store_event`.
+unsafe fn store_event(event: *mut *mut c_void, ev: runtime::stream::Event) {
+    // SAFETY: per the contract.
+    unsafe {
+        let old = *event as *mut runtime::stream::Event;
+        if !old.is_null() {
+            drop(Box::from_raw(old));
+        }
+        *event = Box::into_raw(Box::new(ev)) as *mut c_void;
+    }
+}
+
 /// Records an event on `stream` into `*event` (a handle made here, replaced if set).
 ///
 /// # Safety
@@ -376,13 +391,7 @@ pub unsafe extern "C" fn tpu_rs_event_record(
     guarded(err, "event record", || {
         let ev = runtime::stream::record(stream.max(0) as usize)?;
         // SAFETY: per the contract, `*event` is NULL or a live handle we made.
-        unsafe {
-            let old = *event as *mut runtime::stream::Event;
-            if !old.is_null() {
-                drop(Box::from_raw(old));
-            }
-            *event = Box::into_raw(Box::new(ev)) as *mut c_void;
-        }
+        unsafe { store_event(event, ev) };
         Ok(OK)
     })
 }
@@ -400,13 +409,7 @@ pub unsafe extern "C" fn tpu_rs_event_marker(
     guarded(err, "profiler marker", || {
         let ev = runtime::stream::marker(stream.max(0) as usize)?;
         // SAFETY: per the contract, `*event` is NULL or a live handle we made.
-        unsafe {
-            let old = *event as *mut runtime::stream::Event;
-            if !old.is_null() {
-                drop(Box::from_raw(old));
-            }
-            *event = Box::into_raw(Box::new(ev)) as *mut c_void;
-        }
+        unsafe { store_event(event, ev) };
         Ok(OK)
     })
 }
