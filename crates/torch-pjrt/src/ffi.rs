@@ -204,8 +204,10 @@ pub unsafe extern "C" fn tpu_rs_storage_new(
     h
 }
 
+/// # Safety
+/// `out` has room for 12 values.
 #[no_mangle]
-pub extern "C" fn tpu_rs_memory_stats(device_index: i32, out: *mut i64) {
+pub unsafe extern "C" fn tpu_rs_memory_stats(device_index: i32, out: *mut i64) {
     let s = runtime::memory::stats(device_index.max(0) as usize);
     let vals = [
         s.bytes[0],
