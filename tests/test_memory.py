@@ -159,3 +159,26 @@ def test_fraction_argument_errors():
         torch.tpu.set_per_process_memory_fraction(1.5)
     with pytest.raises(ValueError, match="Invalid device index"):
         torch.tpu.memory_allocated(99)
+
+
+def test_compiled_graphs_are_counted_and_refused_like_eager():
+    torch._dynamo.reset()
+
+    def step(x):
+        return (x * 2).sum(0), x + 1
+
+    f = torch.compile(step, backend="tpu")
+    x = torch.randn(64, 32, device="tpu")
+    base = allocated()
+    for _ in range(3):  # capture, then replays
+        a, b = f(x)
+    assert allocated() - base == nbytes(a, b)
+    del a, b
+    assert allocated() == base
+
+    huge = torch.compile(lambda t: t.expand(1 << 34) + 1, backend="tpu")
+    one = torch.ones(1, device="tpu")
+    with pytest.raises(torch.OutOfMemoryError, match=r"Tried to allocate 64\.00 GiB"):
+        huge(one)
+        torch.tpu.synchronize()
+    assert f(x)[1].sum().item() == pytest.approx((x + 1).sum().item(), rel=1e-5)
