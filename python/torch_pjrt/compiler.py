@@ -8,9 +8,7 @@ __all__ = ["custom_compiler_options"]
 
 
 def _current():
-    prev = _C.set_compiler_options([])
-    _C.set_compiler_options(prev)
-    return dict(prev)
+    return dict(_C.compiler_options())
 
 
 @contextlib.contextmanager

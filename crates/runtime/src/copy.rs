@@ -63,7 +63,7 @@ pub fn copy_nonblocking(
             // SAFETY: the shim's handle is alive for the call; the job keeps its own Arc.
             let target = unsafe { Storage::share(dp) };
             let device = dst.device;
-            rt.worker.submit(move |seq| {
+            rt.worker.current().submit(move |seq| {
                 target.mark_pending(seq);
                 crate::worker::Job {
                     op: "aten::copy_ (non_blocking)".into(),

@@ -1269,7 +1269,7 @@ impl Runtime {
             checks: c.checks.clone(),
             precheck: None,
         };
-        let worker: &'static crate::worker::Streams = &crate::get()?.worker;
+        let worker = crate::get()?.worker.current();
         worker.submit_graph("compiled graph", work, job_inputs, targets, c.outputs.len())
     }
 

@@ -1144,7 +1144,7 @@ fn execute_async(
         }
     }
     let mut new = Vec::new();
-    let worker: &'static crate::worker::Streams = &crate::get()?.worker;
+    let worker = crate::get()?.worker.current();
     worker.submit(|seq| {
         let mut outputs = Vec::with_capacity(prog.outputs.len());
         for o in &prog.outputs {

@@ -283,13 +283,7 @@ impl Runtime {
         let n = elems * dtype.size() as i64;
         if n < 64 << 20 {
             let mut v = Vec::new();
-            v.try_reserve_exact(n as usize).map_err(|_| {
-                Error::new(
-                    ErrorKind::OutOfMemory,
-                    format!("tpu out of memory: cannot make {n} bytes of zeros"),
-                )
-            })?;
-            v.resize(n as usize, 0);
+            storage::host_resize(&mut v, n as usize)?;
             return self.upload(&v, dtype, &[elems], device);
         }
         let mut b = stablehlo::Builder::new();

@@ -358,7 +358,7 @@ impl Drop for Storage {
 
 /// Resizes a host copy, zero-filling, with an out-of-memory error instead of an abort when
 /// the host cannot hold it.
-fn host_resize(v: &mut Vec<u8>, n: usize) -> Result<()> {
+pub(crate) fn host_resize(v: &mut Vec<u8>, n: usize) -> Result<()> {
     if n > v.len() {
         v.try_reserve_exact(n - v.len()).map_err(|_| {
             Error::new(

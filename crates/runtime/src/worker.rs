@@ -558,22 +558,6 @@ impl Streams {
         self.get(Self::current_index())
     }
 
-    pub(crate) fn submit(&'static self, make: impl FnOnce(u64) -> Job) -> Result<u64> {
-        self.current().submit(make)
-    }
-
-    pub(crate) fn submit_graph(
-        &'static self,
-        op: &str,
-        work: Work,
-        inputs: Vec<JobIn>,
-        targets: Vec<(Arc<Storage>, DType)>,
-        new_outputs: usize,
-    ) -> Result<()> {
-        self.current()
-            .submit_graph(op, work, inputs, targets, new_outputs)
-    }
-
     /// Waits until the job numbered `seq` (tagged) has run.
     pub(crate) fn wait_for(&self, seq: u64) {
         let (stream, local) = untag(seq);

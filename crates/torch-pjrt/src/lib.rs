@@ -162,18 +162,33 @@ fn set_compiler_options(
         };
         list.push((name, value));
     }
+    options_to_py(py, runtime::options::set(list))
+}
+
+/// The active compiler options, as (name, value) pairs.
+#[pyfunction]
+fn compiler_options(py: Python<'_>) -> PyResult<Vec<(String, PyObject)>> {
+    let list = runtime::options::current().map_or_else(Vec::new, |c| c.list.clone());
+    options_to_py(py, list)
+}
+
+fn options_to_py(
+    py: Python<'_>,
+    list: Vec<(String, pjrt::OptionValue)>,
+) -> PyResult<Vec<(String, PyObject)>> {
+    use pjrt::OptionValue;
     use pyo3::IntoPyObjectExt;
-    let mut prev = Vec::new();
-    for (n, v) in runtime::options::set(list) {
+    let mut out = Vec::with_capacity(list.len());
+    for (n, v) in list {
         let obj = match v {
             OptionValue::Bool(b) => b.into_py_any(py)?,
             OptionValue::Int(i) => i.into_py_any(py)?,
             OptionValue::Float(f) => f.into_py_any(py)?,
             OptionValue::Str(s) => s.into_py_any(py)?,
         };
-        prev.push((n, obj));
+        out.push((n, obj));
     }
-    Ok(prev)
+    Ok(out)
 }
 
 /// Starts the device trace (torch.tpu.profiler).
@@ -435,6 +450,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(event_elapsed, m)?)?;
     m.add_function(wrap_pyfunction!(trace_start, m)?)?;
     m.add_function(wrap_pyfunction!(set_compiler_options, m)?)?;
+    m.add_function(wrap_pyfunction!(compiler_options, m)?)?;
     m.add_function(wrap_pyfunction!(trace_stop, m)?)?;
     m.add_function(wrap_pyfunction!(trace_epoch_wall_ns, m)?)?;
     m.add_function(wrap_pyfunction!(in_bad_fork, m)?)?;

@@ -12,8 +12,9 @@ fn functional(c: &Ctx) -> bool {
     !c.op.ends_with('_') && c.overload != "out"
 }
 
-/// A one-element float32 tensor argument, with the kernels' messages otherwise.
-fn one_float(c: &Ctx, name: &str, what: &str) -> LResult<TensorArg> {
+/// A one-element tensor argument of `dtype` (`kind` names it in the kernels' message:
+/// "a float", "an int"); `what` is the kernels' name for it.
+fn one_element(c: &Ctx, name: &str, what: &str, dtype: DType, kind: &str) -> LResult<TensorArg> {
     let t = c.args.tensor(name)?.clone();
     if t.shape.iter().product::<i64>() != 1 {
         return user_err(
@@ -21,11 +22,8 @@ fn one_float(c: &Ctx, name: &str, what: &str) -> LResult<TensorArg> {
             format!("{what} must be a 1-element tensor."),
         );
     }
-    if t.dtype != DType::F32 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!("{what} must be a float tensor."),
-        );
+    if t.dtype != dtype {
+        return user_err(ErrorKind::Runtime, format!("{what} must be {kind} tensor."));
     }
     Ok(t)
 }
@@ -34,8 +32,8 @@ fn one_float(c: &Ctx, name: &str, what: &str) -> LResult<TensorArg> {
 /// gradient times `inv_scale` (in its opmath type, rounded once), and `found_inf` set to 1
 /// if any gradient holds an infinity or NaN (left as it was otherwise).
 fn non_finite_check_and_unscale(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let found = one_float(c, "found_inf", "found_inf")?;
-    let inv = one_float(c, "inv_scale", "inv_scale")?;
+    let found = one_element(c, "found_inf", "found_inf", DType::F32, "a float")?;
+    let inv = one_element(c, "inv_scale", "inv_scale", DType::F32, "a float")?;
     let grads: Vec<TensorArg> = c.args.tensors("self")?.into_iter().cloned().collect();
     if let Some(g) = grads.iter().find(|g| !g.dtype.is_float()) {
         return user_err(
@@ -76,22 +74,9 @@ fn non_finite_check_and_unscale(c: &mut Ctx) -> LResult<Vec<Out>> {
 /// an overflow the scale backs off and the tracker restarts; after `interval` clean steps
 /// in a row the scale grows (unless that overflows float32) and the tracker restarts.
 fn update_scale(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let single = |c: &Ctx, name: &str, what: &str, dtype: DType, kind: &str| {
-        let t = c.args.tensor(name)?.clone();
-        if t.shape.iter().product::<i64>() != 1 {
-            return user_err(
-                ErrorKind::Runtime,
-                format!("{what} must be a 1-element tensor."),
-            );
-        }
-        if t.dtype != dtype {
-            return user_err(ErrorKind::Runtime, format!("{what} must be {kind} tensor."));
-        }
-        Ok(t)
-    };
-    let tracker = single(c, "growth_tracker", "growth_tracker", DType::I32, "an int")?;
-    let scale = single(c, "self", "current_scale", DType::F32, "a float")?;
-    let found = single(c, "found_inf", "found_inf", DType::F32, "a float")?;
+    let tracker = one_element(c, "growth_tracker", "growth_tracker", DType::I32, "an int")?;
+    let scale = one_element(c, "self", "current_scale", DType::F32, "a float")?;
+    let found = one_element(c, "found_inf", "found_inf", DType::F32, "a float")?;
     let growth = c.args.float("scale_growth_factor")?;
     let backoff = c.args.float("scale_backoff_factor")?;
     let interval = c.args.int("growth_interval")?;

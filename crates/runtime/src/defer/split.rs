@@ -337,7 +337,7 @@ impl Runtime {
             precheck: later_precheck,
         };
         let lazy: Vec<Arc<Storage>> = targets.iter().map(|t| t.0.clone()).collect();
-        let worker: &'static crate::worker::Streams = &crate::get()?.worker;
+        let worker = crate::get()?.worker.current();
         worker.submit_graph("deferred graph", work, job_inputs, targets, new_outputs)?;
         // Pending now: a read waits for the job instead of flushing.
         for s in lazy {
