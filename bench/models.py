@@ -105,3 +105,81 @@ def gpt_step(device, seed=0, vocab=256, batch=8, seq=64, autocast=None):
         return loss.item()
 
     return step
+
+
+class Llama(nn.Module):
+    """A Llama-style decoder (RMSNorm, rotary positions, grouped-query causal attention
+    with a key/value cache grown by ``torch.cat`` like Hugging Face's dynamic cache,
+    SwiGLU MLP, untied head). ``generate`` is greedy decoding."""
+
+    def __init__(self, vocab=256, dim=128, layers=2, heads=4, kv_heads=2, hidden=344,
+                 theta=10000.0):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList()
+        for _ in range(layers):
+            layer = nn.Module()
+            layer.norm1 = nn.RMSNorm(dim, eps=1e-6)
+            layer.q = nn.Linear(dim, dim, bias=False)
+            layer.k = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+            layer.v = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+            layer.o = nn.Linear(dim, dim, bias=False)
+            layer.norm2 = nn.RMSNorm(dim, eps=1e-6)
+            layer.gate = nn.Linear(dim, hidden, bias=False)
+            layer.up = nn.Linear(dim, hidden, bias=False)
+            layer.down = nn.Linear(hidden, dim, bias=False)
+            self.layers.append(layer)
+        self.norm = nn.RMSNorm(dim, eps=1e-6)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        inv = 1.0 / theta ** (torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        self.register_buffer("inv_freq", inv, persistent=False)
+
+    @staticmethod
+    def _rotate(x, cos, sin):
+        a, b = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-b, a), dim=-1) * sin
+
+    def forward(self, ids, cache=None):
+        """``ids`` (batch, new tokens); ``cache`` a list of (k, v) per layer or None.
+        Returns the logits and the grown cache."""
+        b, t = ids.shape
+        past = 0 if cache is None else cache[0][0].shape[2]
+        pos = torch.arange(past, past + t, device=ids.device)
+        freqs = pos[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        x = self.embed(ids)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            h = layer.norm1(x)
+            q = layer.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            k = layer.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = layer.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            if cache is not None:
+                k = torch.cat((cache[i][0], k), dim=2)
+                v = torch.cat((cache[i][1], v), dim=2)
+            new_cache.append((k, v))
+            rep = self.heads // self.kv_heads
+            kr = k.repeat_interleave(rep, dim=1)
+            vr = v.repeat_interleave(rep, dim=1)
+            a = F.scaled_dot_product_attention(q, kr, vr, is_causal=cache is None)
+            x = x + layer.o(a.transpose(1, 2).reshape(b, t, -1))
+            h = layer.norm2(x)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        return self.head(self.norm(x)), new_cache
+
+    def loss(self, ids, targets):
+        logits, _ = self(ids)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    @torch.no_grad()
+    def generate(self, ids, new_tokens):
+        logits, cache = self(ids)
+        out = [ids]
+        for _ in range(new_tokens):
+            nxt = logits[:, -1:].argmax(-1)
+            out.append(nxt)
+            logits, cache = self(nxt, cache)
+        return torch.cat(out, dim=1)

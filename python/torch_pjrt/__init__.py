@@ -32,6 +32,7 @@ __all__ = [
     "cache_info",
     "clear_cache",
     "set_cache_dir",
+    "set_shape_buckets",
 ]
 
 
@@ -195,6 +196,18 @@ def clear_cache(disk=True):
 def set_cache_dir(path):
     """Uses ``path`` for the disk compilation cache from now on; None turns it off."""
     _C.set_cache_dir(None if path is None else str(path))
+
+
+def set_shape_buckets(on=True):
+    """Programs that serve a range of sizes (off by default; ``TORCH_TPU_SHAPE_BUCKETS=1``).
+
+    In Strict and Debug modes, once an op is called again with other sizes, calls at new
+    sizes run a program compiled for a power-of-two bucket of each changing dimension
+    instead of compiling one per shape; ``metrics()["programs"]`` counts programs and
+    bucket hits per op. Returns the previous setting."""
+    was = _C.shape_buckets()
+    _C.set_shape_buckets(bool(on))
+    return was
 
 
 def lowered_ops():

@@ -351,6 +351,16 @@ pw_err* pw_buffer_meta(const void* a, void* buf, const int64_t** dims, size_t* n
   return NULL;
 }
 
+pw_err* pw_buffer_unpadded_dims(const void* a, void* buf, const int64_t** dims, size_t* num_dims) {
+  API;
+  ARGS(PJRT_Buffer_UnpaddedDimensions_Args, d);
+  d.buffer = (PJRT_Buffer*)buf;
+  TRY(CALL(PJRT_Buffer_UnpaddedDimensions, d));
+  *dims = d.unpadded_dims;
+  *num_dims = d.num_dims;
+  return NULL;
+}
+
 pw_err* pw_buffer_on_device_size(const void* a, void* buf, size_t* n) {
   API;
   ARGS(PJRT_Buffer_OnDeviceSizeInBytes_Args, args);

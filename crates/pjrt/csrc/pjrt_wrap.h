@@ -52,6 +52,7 @@ pw_err* pw_buffer_destroy(const void* api, void* buf);
 pw_err* pw_buffer_meta(const void* api, void* buf, const int64_t** dims, size_t* num_dims,
                        int* type, void** dev);
 pw_err* pw_buffer_on_device_size(const void* api, void* buf, size_t* n);
+pw_err* pw_buffer_unpadded_dims(const void* api, void* buf, const int64_t** dims, size_t* num_dims);
 pw_err* pw_buffer_to_host(const void* api, void* buf, void* dst, size_t dst_size);
 pw_err* pw_buffer_ready(const void* api, void* buf);
 pw_err* pw_buffer_is_ready(const void* api, void* buf, int* ready);

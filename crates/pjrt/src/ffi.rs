@@ -42,6 +42,7 @@ extern "C" {
     pub fn pw_buffer_destroy(api: Api, buf: Handle) -> Err;
     pub fn pw_buffer_meta(api: Api, buf: Handle, dims: *mut *const i64, num_dims: *mut usize, ty: *mut c_int, dev: *mut Handle) -> Err;
     pub fn pw_buffer_on_device_size(api: Api, buf: Handle, n: *mut usize) -> Err;
+    pub fn pw_buffer_unpadded_dims(api: Api, buf: Handle, dims: *mut *const i64, num_dims: *mut usize) -> Err;
     pub fn pw_buffer_to_host(api: Api, buf: Handle, dst: *mut c_void, dst_size: usize) -> Err;
     pub fn pw_buffer_ready(api: Api, buf: Handle) -> Err;
     pub fn pw_buffer_is_ready(api: Api, buf: Handle, ready: *mut c_int) -> Err;

@@ -683,6 +683,23 @@ impl Buffer {
         elems * self.ty.byte_size()
     }
 
+    /// The real sizes of an array whose dimensions may be dynamic (bounded): smaller than
+    /// `dims()` where XLA padded a dimension. Waits for the producing computation.
+    pub fn unpadded_dims(&self) -> Result<Vec<i64>> {
+        self.ready()?;
+        let (mut p, mut n) = (std::ptr::null(), 0usize);
+        // SAFETY: `raw` is a live buffer; the out pointers are valid. The returned array
+        // lives as long as the buffer and is copied before returning.
+        check(unsafe {
+            ffi::pw_buffer_unpadded_dims(self.client.api(), self.raw, &mut p, &mut n)
+        })?;
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        // SAFETY: PJRT returned `n` dims at `p`, valid while the buffer lives.
+        Ok(unsafe { std::slice::from_raw_parts(p, n) }.to_vec())
+    }
+
     pub fn on_device_size_in_bytes(&self) -> Result<usize> {
         let mut n = 0usize;
         // SAFETY: `raw` is a live buffer; `n` is a valid out pointer.

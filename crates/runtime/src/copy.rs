@@ -77,6 +77,7 @@ pub fn copy_nonblocking(
                     outputs: vec![(target, ddt)],
                     new_outputs: 0,
                     deps: Vec::new(),
+                    packed: Vec::new(),
                 }
             })?;
             return Ok(());

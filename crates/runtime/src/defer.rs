@@ -530,6 +530,9 @@ impl Runtime {
                         src.host(b, *path, tensor_at(params, *path), *dtype)?
                     }
                     Input::Rng { .. } => src.rng_param(b, frag.rng_consumed)?,
+                    Input::Staged { .. } | Input::Size { .. } => {
+                        unreachable!("fragments are planned at exact shapes")
+                    }
                 });
             }
             Ok(args)

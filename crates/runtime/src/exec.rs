@@ -102,9 +102,28 @@ pub enum Outcome {
 pub(crate) type Path = (usize, Option<usize>);
 
 pub(crate) enum Input {
-    Storage { path: Path, dtype: DType },
-    Host { path: Path, dtype: DType },
-    Rng { path: Option<Path> },
+    Storage {
+        path: Path,
+        dtype: DType,
+    },
+    Host {
+        path: Path,
+        dtype: DType,
+    },
+    Rng {
+        path: Option<Path>,
+    },
+    /// A staged tensor (bucketed programs): its view laid out in `padded` dims.
+    Staged {
+        path: Path,
+        dtype: DType,
+        padded: Vec<i64>,
+    },
+    /// The real size of dim `dim` of a staged tensor, as i32.
+    Size {
+        path: Path,
+        dim: usize,
+    },
 }
 
 pub(crate) enum Output {
@@ -137,6 +156,12 @@ pub struct Program {
     pub(crate) outputs: Vec<Output>,
     rets: Vec<RetShape>,
     rng_consumed: u64,
+    /// Serves a range of sizes: staged inputs, results packed in padded buffers.
+    pub(crate) bucketed: bool,
+}
+
+pub(crate) fn tensor_paths(params: &[Param]) -> Vec<(Path, &TensorRef)> {
+    tensors(params)
 }
 
 fn tensors(params: &[Param]) -> Vec<(Path, &TensorRef)> {
@@ -173,9 +198,35 @@ fn dt_name(d: Option<DType>) -> String {
     d.map(|d| format!("{d:?}")).unwrap_or_else(|| "?".into())
 }
 
+/// What a key says about tensors.
+#[derive(Clone, Copy)]
+pub(crate) enum KeyMode<'a> {
+    /// Everything (the exact program's key).
+    Exact,
+    /// Dtype, rank and storage identity only (`buckets`' signature).
+    Signature,
+    /// Staged tensors by their padded dims, the others exactly.
+    Bucket(&'a crate::buckets::Staging),
+}
+
 /// The cache key: everything the compiled program depends on, nothing it does not. Raw
 /// bytes (tag, then fixed-width little-endian fields), cheap to build on every op.
 pub(crate) fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> Vec<u8> {
+    key_with(op, overload, device, params, KeyMode::Exact)
+}
+
+/// The key of an op's shape-independent identity (see `buckets`).
+pub(crate) fn signature(op: &str, overload: &str, device: usize, params: &[Param]) -> Vec<u8> {
+    key_with(op, overload, device, params, KeyMode::Signature)
+}
+
+pub(crate) fn key_with(
+    op: &str,
+    overload: &str,
+    device: usize,
+    params: &[Param],
+    mode: KeyMode,
+) -> Vec<u8> {
     fn num(k: &mut Vec<u8>, v: i64) {
         k.extend_from_slice(&v.to_le_bytes());
     }
@@ -192,16 +243,34 @@ pub(crate) fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> 
     fn dt(k: &mut Vec<u8>, d: Option<DType>) {
         k.push(d.map(|d| d as u8 + 1).unwrap_or(0));
     }
-    fn arg(k: &mut Vec<u8>, a: &RArg, slots: &mut Vec<*const Storage>) {
+    fn arg(k: &mut Vec<u8>, a: &RArg, path: Path, mode: KeyMode, slots: &mut Vec<*const Storage>) {
         match a {
             RArg::None => k.push(b'N'),
             RArg::Tensor(t) => {
                 k.push(b'T');
                 dt(k, t.dtype);
-                ints(k, &t.view.sizes);
-                ints(k, &t.view.strides);
-                num(k, t.view.offset);
-                num(k, t.nbytes);
+                match mode {
+                    KeyMode::Exact => {}
+                    KeyMode::Signature => num(k, t.view.sizes.len() as i64),
+                    KeyMode::Bucket(st) => match st.staged.get(&path) {
+                        Some(dims) => {
+                            k.push(b'b');
+                            num(k, dims.len() as i64);
+                            for (d, s) in dims.iter().zip(&t.view.sizes) {
+                                num(k, d.map_or(*s, |b| -b));
+                            }
+                        }
+                        None => k.push(b'x'),
+                    },
+                }
+                if matches!(mode, KeyMode::Exact)
+                    || matches!(mode, KeyMode::Bucket(st) if !st.staged.contains_key(&path))
+                {
+                    ints(k, &t.view.sizes);
+                    ints(k, &t.view.strides);
+                    num(k, t.view.offset);
+                    num(k, t.nbytes);
+                }
                 k.push(t.wrapped as u8);
                 match t.loc {
                     Loc::Host(_) => k.push(b'h'),
@@ -240,8 +309,8 @@ pub(crate) fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> 
             RArg::List(items) => {
                 k.push(b'[');
                 num(k, items.len() as i64);
-                for a in items {
-                    arg(k, a, slots);
+                for (j, a) in items.iter().enumerate() {
+                    arg(k, a, (path.0, Some(j)), mode, slots);
                 }
             }
             RArg::Generator(_) => k.push(b'G'),
@@ -255,10 +324,21 @@ pub(crate) fn key(op: &str, overload: &str, device: usize, params: &[Param]) -> 
     text(&mut k, op);
     text(&mut k, overload);
     num(&mut k, device as i64);
+    k.push(match mode {
+        KeyMode::Exact => b'E',
+        KeyMode::Signature => b'S',
+        KeyMode::Bucket(_) => b'B',
+    });
     let mut slots: Vec<*const Storage> = Vec::new();
-    for p in params {
+    for (i, p) in params.iter().enumerate() {
         text(&mut k, &p.name);
-        arg(&mut k, &p.arg, &mut slots);
+        if let (KeyMode::Signature, "size", RArg::List(items)) = (mode, p.name.as_str(), &p.arg) {
+            // A shape argument follows its tensor's sizes (`buckets::pad_size_args`).
+            k.push(b'z');
+            num(&mut k, items.len() as i64);
+            continue;
+        }
+        arg(&mut k, &p.arg, (i, None), mode, &mut slots);
     }
     // Compiled under custom_compiler_options: another program.
     k.extend_from_slice(&crate::options::key_part());
@@ -394,37 +474,45 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
             })
         })
         .unwrap_or(0);
+    if crate::buckets::host_arange(rt, op, params)? {
+        return Ok(Outcome::Done(returns_of(&[], params, var, Vec::new())));
+    }
     let mode = crate::mode::get();
     if mode == crate::mode::EagerMode::DeferAndFuse {
         return rt.record(op, overload, device, params, var);
     }
     let k = key(op, overload, device, params);
-    let prog = match rt.cache.get(&k) {
+    let (prog, real) = match rt.cache.get(&k) {
         Some(p) => {
             rt.metrics
                 .cache_hits
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            p
+            (p, None)
         }
-        None => {
-            rt.metrics
-                .cache_misses
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            match build(rt, op, overload, device, params, var)? {
-                Built::Program(p) => {
-                    let p = Arc::new(p);
-                    rt.cache.insert(k, p.clone());
-                    p
+        None => match bucketed(rt, op, overload, device, params, var, &k)? {
+            Some((p, real)) => (p, Some(real)),
+            None => {
+                rt.metrics
+                    .cache_misses
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                match build(rt, op, overload, device, params, var, None)? {
+                    Built::Program(p) => {
+                        let p = Arc::new(p);
+                        rt.cache.insert(k, p.clone());
+                        rt.metrics.exact_program(op);
+                        (p, None)
+                    }
+                    Built::Declined(why) => return Ok(Outcome::Declined(why)),
+                    Built::Resize(r) => return Ok(Outcome::Resize(r)),
                 }
-                Built::Declined(why) => return Ok(Outcome::Declined(why)),
-                Built::Resize(r) => return Ok(Outcome::Resize(r)),
             }
-        }
+        },
     };
+    let real = real.as_deref().map(|v| v.as_slice());
     let new = if mode == crate::mode::EagerMode::Strict {
-        execute_async(rt, op, &prog, params, device)?
+        execute_async(rt, op, &prog, params, device, real)?
     } else {
-        execute(rt, op, &prog, params)?
+        execute(rt, op, &prog, params, real)?
     };
     rt.metrics.native(op);
     Ok(Outcome::Done(returns_of(&prog.rets, params, var, new)))
@@ -503,6 +591,15 @@ pub(crate) trait Sources {
     fn host(&mut self, b: &mut Builder, path: Path, t: &TensorRef, dtype: DType) -> Result<Value>;
     /// Binds the RNG parameter the rule created (it consumed `consumed` values).
     fn rng(&mut self, gen: Option<Path>, consumed: u64) -> Result<()>;
+    /// A staged tensor's value (bucketed programs): its logical shape, padded.
+    fn staged(&mut self, _b: &mut Builder, _path: Path, _t: &TensorRef) -> Option<Value> {
+        None
+    }
+    /// Bucketed programs: out=/in-place targets are whole storages, replaced by the
+    /// result (whose padded shape PyTorch's real one does not match).
+    fn whole_targets(&self) -> bool {
+        false
+    }
 }
 
 /// What one op became: new tensors and storage writes.
@@ -666,6 +763,10 @@ pub(crate) fn lower_into(
             continue;
         }
         let dtype = t.dtype.expect("checked");
+        if let Some(v) = src.staged(b, path, t) {
+            values.insert(path, v);
+            continue;
+        }
         match t.loc {
             Loc::Host(_) => {
                 let v = src.host(b, path, t, dtype)?;
@@ -714,7 +815,7 @@ pub(crate) fn lower_into(
             gen_path = Some((i, None));
         }
         args.items
-            .push((p.name.clone(), to_arg(&p.arg, i, None, &values)));
+            .push((p.name.clone(), to_arg(b, &p.arg, i, None, &values)));
     }
     let mut ctx = Ctx::new(b, op, overload, &args);
     ctx.out_dtypes = tensors(params)
@@ -816,6 +917,16 @@ pub(crate) fn lower_into(
     for (path, v) in writes.iter() {
         let t = tensor_at(params, *path);
         let vt = b.ty(*v).clone();
+        if src.whole_targets() {
+            // Checked at the exact shapes when the call's sizes were computed.
+            let tdt = t.dtype.expect("checked");
+            if !can_cast(vt.dtype, tdt) {
+                return Ok(LowerOutcome::Declined("result dtype".into()));
+            }
+            let val = b.convert(*v, tdt);
+            lowered.writes.push((*path, tdt, val));
+            continue;
+        }
         if vt.shape != t.view.sizes {
             // An out= tensor that is also an input (x.logical_and_(y) arrives as
             // logical_and.out(x, y, out=x)) is never resized: PyTorch raises.
@@ -888,12 +999,43 @@ pub(crate) fn lower_into(
 }
 
 /// Strict sources: every input is a parameter bound at execution.
-struct ProgramInputs {
+struct ProgramInputs<'a> {
     inputs: Vec<Input>,
     rng_consumed: u64,
+    staging: Option<&'a crate::buckets::Staging>,
 }
 
-impl Sources for ProgramInputs {
+impl Sources for ProgramInputs<'_> {
+    fn staged(&mut self, b: &mut Builder, path: Path, t: &TensorRef) -> Option<Value> {
+        let st = self.staging?;
+        let dims = st.staged.get(&path)?;
+        let padded = st.padded(path, t)?;
+        let dtype = t.dtype?;
+        self.inputs.push(Input::Staged {
+            path,
+            dtype,
+            padded: padded.clone(),
+        });
+        let ty = TensorType::new(dtype, &padded);
+        let mut v = b.param(ty.clone());
+        for (d, bk) in dims.iter().enumerate() {
+            if bk.is_some() {
+                self.inputs.push(Input::Size { path, dim: d });
+                let n = b.param(TensorType::scalar(DType::I32));
+                // XLA's dynamic padder keeps every later op exact on the real part.
+                v = b.op(
+                    "stablehlo.set_dimension_size",
+                    &[v, n],
+                    &format!("dimension = {d} : i64"),
+                    ty.clone(),
+                );
+            }
+        }
+        Some(v)
+    }
+    fn whole_targets(&self) -> bool {
+        self.staging.is_some()
+    }
     fn storage(
         &mut self,
         b: &mut Builder,
@@ -940,10 +1082,24 @@ pub(crate) fn plan(
     params: &[Param],
     var: Variant,
 ) -> Result<Plan> {
+    plan_with(op, overload, device, params, var, None)
+}
+
+/// `plan`, bucketed when `staging` is given: staged inputs, results left in their padded
+/// (dynamic) shapes, targets replaced whole.
+pub(crate) fn plan_with(
+    op: &str,
+    overload: &str,
+    device: usize,
+    params: &[Param],
+    var: Variant,
+    staging: Option<&crate::buckets::Staging>,
+) -> Result<Plan> {
     let mut b = Builder::new();
     let mut src = ProgramInputs {
         inputs: Vec::new(),
         rng_consumed: 0,
+        staging,
     };
     let low = match lower_into(&mut b, &mut src, op, overload, device, params, var)? {
         LowerOutcome::Done(l) => l,
@@ -954,7 +1110,12 @@ pub(crate) fn plan(
     let mut outputs = Vec::new();
     for v in &low.new {
         let ty = b.ty(*v).clone();
-        results.push(b.reshape(*v, &[ty.numel()]));
+        // A dynamic result stays whole: XLA packs it at the front of its buffer.
+        results.push(if staging.is_some() {
+            *v
+        } else {
+            b.reshape(*v, &[ty.numel()])
+        });
         outputs.push(Output::New {
             dtype: ty.dtype,
             sizes: ty.shape,
@@ -991,8 +1152,9 @@ fn build(
     device: usize,
     params: &[Param],
     var: Variant,
+    staging: Option<&crate::buckets::Staging>,
 ) -> Result<Built> {
-    let p = match plan(op, overload, device, params, var)? {
+    let p = match plan_with(op, overload, device, params, var, staging)? {
         Plan::Done(p) => p,
         Plan::Declined(w) => return Ok(Built::Declined(w)),
         Plan::Resize(r) => return Ok(Built::Resize(r)),
@@ -1018,7 +1180,84 @@ fn build(
         outputs: p.outputs,
         rets: p.rets,
         rng_consumed: p.rng_consumed,
+        bucketed: staging.is_some(),
     }))
+}
+
+/// The bucketed program for a call whose exact program is not cached, if its signature
+/// has changing shapes (see `buckets`), with the real sizes of its new tensors.
+fn bucketed(
+    rt: &Runtime,
+    op: &str,
+    overload: &str,
+    device: usize,
+    params: &[Param],
+    var: Variant,
+    exact_key: &[u8],
+) -> Result<Option<(Arc<Program>, crate::buckets::NewSizes)>> {
+    let Some(st) = rt.buckets.observe(op, overload, device, params, var) else {
+        return Ok(None);
+    };
+    let real = rt.buckets.new_sizes(exact_key, || {
+        Ok(match plan(op, overload, device, params, var)? {
+            Plan::Done(p) => Some(
+                p.outputs
+                    .iter()
+                    .filter_map(|o| match o {
+                        Output::New { sizes, .. } => Some(sizes.clone()),
+                        _ => None,
+                    })
+                    .collect(),
+            ),
+            Plan::Declined(_) | Plan::Resize(_) => None,
+        })
+    })?;
+    let Some((real, fresh)) = real else {
+        return Ok(None);
+    };
+    let padded_params = crate::buckets::pad_size_args(params, &st);
+    let params = padded_params.as_deref().unwrap_or(params);
+    let bk = key_with(op, overload, device, params, KeyMode::Bucket(&st));
+    if let Some(p) = rt.cache.get(&bk) {
+        rt.metrics.bucket_hit(op, fresh);
+        return Ok(Some((p, real)));
+    }
+    match build(rt, op, overload, device, params, var, Some(&st)) {
+        Ok(Built::Program(p)) => {
+            let p = Arc::new(p);
+            rt.cache.insert(bk, p.clone());
+            rt.metrics.bucket_compile(op);
+            Ok(Some((p, real)))
+        }
+        // XLA's dynamic padder does not take every program: exact shapes for this one.
+        Ok(_) | Err(_) => {
+            rt.buckets.disable(&st.sig);
+            Ok(None)
+        }
+    }
+}
+
+/// Elements of each result of a bucketed program (new tensors, then targets) once packed.
+fn packed_sizes(
+    prog: &Program,
+    params: &[Param],
+    real: Option<&[Vec<i64>]>,
+) -> Vec<crate::buckets::Packed> {
+    let Some(real) = real.filter(|_| prog.bucketed) else {
+        return Vec::new();
+    };
+    let mut news = real.iter();
+    prog.outputs
+        .iter()
+        .filter_map(|o| match o {
+            Output::New { .. } => news.next().map(|s| (s.iter().product(), None)),
+            Output::Write { path, .. } => {
+                let v = &tensor_at(params, *path).view;
+                Some((v.numel(), (!v.is_contiguous()).then(|| v.clone())))
+            }
+            Output::Check { .. } => None,
+        })
+        .collect()
 }
 
 /// Debug mode: wait for the op, so its error is raised here; optionally check NaN/Inf.
@@ -1056,13 +1295,14 @@ fn debug_check(rt: &Runtime, op: &str, params: &[Param], outs: &[Arc<pjrt::Buffe
     Ok(())
 }
 
-fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -> Arg {
+fn to_arg(b: &Builder, a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -> Arg {
     match a {
         RArg::None => Arg::None,
         RArg::Tensor(t) => Arg::Tensor(TensorArg {
             value: values[&(i, j)],
             dtype: t.dtype.expect("checked"),
-            shape: t.view.sizes.clone(),
+            // The value's shape: a staged tensor's is padded.
+            shape: b.shape(values[&(i, j)]),
             wrapped_number: t.wrapped,
         }),
         RArg::Int(v) => Arg::Int(*v),
@@ -1075,7 +1315,7 @@ fn to_arg(a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Path, Value>) -
             items
                 .iter()
                 .enumerate()
-                .map(|(k, x)| to_arg(x, i, Some(k), values))
+                .map(|(k, x)| to_arg(b, x, i, Some(k), values))
                 .collect(),
         ),
         RArg::Generator(_) | RArg::Device(_) | RArg::Other(_) => Arg::Other,
@@ -1101,11 +1341,36 @@ fn execute_async(
     prog: &Arc<Program>,
     params: &[Param],
     device: usize,
+    real: Option<&[Vec<i64>]>,
 ) -> Result<Vec<Ret>> {
     admit_outputs(&prog.outputs, device)?;
+    let packed = packed_sizes(prog, params, real);
+    let mut real_new = real.filter(|_| prog.bucketed).map(|r| r.iter());
     let mut inputs = Vec::with_capacity(prog.inputs.len());
     for inp in &prog.inputs {
         match inp {
+            Input::Staged {
+                path,
+                dtype,
+                padded,
+            } => {
+                let t = tensor_at(params, *path);
+                let Loc::Device(p) = t.loc else {
+                    unreachable!("staged input on the host")
+                };
+                // SAFETY: the shim holds the tensor alive during the call.
+                let s = unsafe { Storage::share(p) };
+                inputs.push(JobIn::Staged(s, *dtype, t.view.clone(), padded.clone()));
+            }
+            Input::Size { path, dim } => {
+                let n = tensor_at(params, *path).view.sizes[*dim] as i32;
+                inputs.push(JobIn::Buf(rt.upload_input(
+                    &n.to_le_bytes(),
+                    DType::I32,
+                    &[],
+                    device,
+                )?));
+            }
             Input::Storage { path, dtype } => {
                 let t = tensor_at(params, *path);
                 let Loc::Device(p) = t.loc else {
@@ -1150,6 +1415,10 @@ fn execute_async(
         for o in &prog.outputs {
             match o {
                 Output::New { dtype, sizes } => {
+                    let sizes = match real_new.as_mut() {
+                        Some(r) => r.next().expect("one real shape per new tensor"),
+                        None => sizes,
+                    };
                     let n: i64 = sizes.iter().product();
                     let s = Arc::new(Storage::new(n * dtype.size() as i64, device));
                     s.mark_pending(seq);
@@ -1179,12 +1448,19 @@ fn execute_async(
             new_outputs: new.len(),
             outputs,
             deps: Vec::new(),
+            packed,
         }
     })?;
     Ok(new)
 }
 
-fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<Vec<Ret>> {
+fn execute(
+    rt: &Runtime,
+    op: &str,
+    prog: &Program,
+    params: &[Param],
+    real: Option<&[Vec<i64>]>,
+) -> Result<Vec<Ret>> {
     if let Some(msg) = crate::worker::injected_failure(op) {
         return Err(Error::runtime(msg));
     }
@@ -1215,6 +1491,19 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
                 });
                 bufs.push(crate::rng_input(rt, state, device, prog.rng_consumed)?);
             }
+            Input::Staged {
+                path,
+                dtype,
+                padded,
+            } => {
+                let t = tensor_at(params, *path);
+                let whole = t.storage().expect("device tensor").buffer_as(rt, *dtype)?;
+                bufs.push(crate::buckets::stage(rt, &whole, *dtype, &t.view, padded)?);
+            }
+            Input::Size { path, dim } => {
+                let n = tensor_at(params, *path).view.sizes[*dim] as i32;
+                bufs.push(rt.upload_input(&n.to_le_bytes(), DType::I32, &[], device)?);
+            }
         }
     }
     let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
@@ -1238,10 +1527,22 @@ fn execute(rt: &Runtime, op: &str, prog: &Program, params: &[Param]) -> Result<V
     if let Some(e) = failed_check(rt, &prog.outputs, &outs)? {
         return Err(e);
     }
+    let packed = packed_sizes(prog, params, real);
+    let mut real_new = real.filter(|_| prog.bucketed).map(|r| r.iter());
     let mut new = Vec::new();
-    for (o, buf) in prog.outputs.iter().zip(outs) {
+    for (i, (o, buf)) in prog.outputs.iter().zip(outs).enumerate() {
+        let buf = match (o, packed.get(i)) {
+            (Output::New { dtype, .. } | Output::Write { dtype, .. }, Some(p)) => {
+                crate::buckets::compact(rt, &buf, *dtype, p)?
+            }
+            _ => buf,
+        };
         match o {
             Output::New { dtype, sizes } => {
+                let sizes = match real_new.as_mut() {
+                    Some(r) => r.next().expect("one real shape per new tensor"),
+                    None => sizes,
+                };
                 let dev = buf.device();
                 let s = Storage::with_buffer(buf, *dtype, dev);
                 new.push(Ret::Tensor {

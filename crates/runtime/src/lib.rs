@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 pub use lowering::{is_no_rule, ErrorKind};
 pub use stablehlo::DType;
 
+pub mod buckets;
 pub mod cache;
 pub mod copy;
 pub mod datadep;
@@ -154,6 +155,8 @@ pub struct Runtime {
     pub defer: defer::Deferred,
     /// Strict mode's executor threads: the default stream and the side streams.
     pub worker: worker::Streams,
+    /// Which ops' shapes change, and the real sizes of bucketed calls.
+    pub buckets: buckets::Buckets,
     /// Recently uploaded 0-d host inputs (Python scalars), by (device, dtype, bits): buffers
     /// are immutable, so ops passing the same scalar share one upload.
     scalars: Mutex<std::collections::HashMap<(usize, DType, u64), Arc<pjrt::Buffer>>>,
@@ -228,6 +231,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         client,
         cache: cache::Cache::default(),
         metrics: metrics::Metrics::default(),
+        buckets: buckets::Buckets::default(),
         defer: defer::Deferred::new(devices, cpu_plugin),
         worker: worker::Streams::default(),
         scalars: Mutex::new(std::collections::HashMap::new()),

@@ -10,6 +10,15 @@ pub struct OpCounts {
     pub fallback: u64,
 }
 
+/// Per op: programs compiled (exact and bucketed), bucketed ones, calls a bucketed program
+/// served without compiling.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ProgramCounts {
+    pub programs: u64,
+    pub bucketed: u64,
+    pub bucket_hits: u64,
+}
+
 #[derive(Default)]
 pub struct Metrics {
     ops: Mutex<BTreeMap<String, OpCounts>>,
@@ -33,6 +42,9 @@ pub struct Metrics {
     /// Flushes for a host read that ran only what the read needed and queued the rest.
     pub split_flushes: AtomicU64,
     flush_reasons: Mutex<BTreeMap<String, u64>>,
+    programs: Mutex<BTreeMap<String, ProgramCounts>>,
+    /// Calls at an exact shape never seen before that a bucketed program served.
+    pub new_shapes_served: AtomicU64,
 }
 
 /// A plain snapshot of the counters.
@@ -41,6 +53,7 @@ pub struct Snapshot {
     pub ops: BTreeMap<String, OpCounts>,
     pub counters: Vec<(&'static str, f64)>,
     pub flush_reasons: BTreeMap<String, u64>,
+    pub programs: BTreeMap<String, ProgramCounts>,
 }
 
 impl Metrics {
@@ -77,6 +90,28 @@ impl Metrics {
             .unwrap_or_else(|e| e.into_inner())
             .entry(reason.to_string())
             .or_default() += 1;
+    }
+    fn program(&self, name: &str, f: impl FnOnce(&mut ProgramCounts)) {
+        let mut m = self.programs.lock().unwrap_or_else(|e| e.into_inner());
+        f(m.entry(name.to_string()).or_default());
+    }
+    /// An op compiled a program at its exact shapes.
+    pub fn exact_program(&self, name: &str) {
+        self.program(name, |c| c.programs += 1);
+    }
+    /// An op compiled a program serving a range of sizes.
+    pub fn bucket_compile(&self, name: &str) {
+        self.program(name, |c| {
+            c.programs += 1;
+            c.bucketed += 1
+        });
+    }
+    /// A bucketed program ran a call; `new_shape`: one no program was compiled for.
+    pub fn bucket_hit(&self, name: &str, new_shape: bool) {
+        self.program(name, |c| c.bucket_hits += 1);
+        if new_shape {
+            self.new_shapes_served.fetch_add(1, Ordering::Relaxed);
+        }
     }
     pub fn add_h2d(&self, n: usize) {
         self.h2d_bytes.fetch_add(n as u64, Ordering::Relaxed);
@@ -123,9 +158,22 @@ impl Metrics {
             ),
             ("donated_buffers", g(&self.donated_buffers)),
             ("split_flushes", g(&self.split_flushes)),
+            ("new_shapes_served", g(&self.new_shapes_served)),
+            (
+                // Each would have compiled a program of the mean compilation time.
+                "compile_seconds_saved",
+                g(&self.new_shapes_served) * g(&self.compile_nanos)
+                    / 1e9
+                    / g(&self.compilations).max(1.0),
+            ),
         ];
         let flush_reasons = self
             .flush_reasons
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let programs = self
+            .programs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone();
@@ -133,12 +181,17 @@ impl Metrics {
             ops,
             counters,
             flush_reasons,
+            programs,
         }
     }
 
     pub fn reset(&self) {
         self.ops.lock().unwrap_or_else(|e| e.into_inner()).clear();
         self.flush_reasons
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+        self.programs
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clear();
@@ -159,6 +212,7 @@ impl Metrics {
             &self.flushed_ops,
             &self.donated_buffers,
             &self.split_flushes,
+            &self.new_shapes_served,
         ] {
             a.store(0, Ordering::Relaxed);
         }

@@ -27,6 +27,9 @@ pub(crate) fn collect_marks<T>(f: impl FnOnce() -> T) -> (T, Vec<u64>) {
 
 pub struct Storage {
     pub device: usize,
+    /// Unique for the process (addresses are reused): tells tensors that persist across
+    /// calls (parameters) from fresh ones (see `buckets`).
+    pub id: u64,
     inner: Mutex<Inner>,
     /// Its current value is pending in the device's deferred graph (DeferAndFuse).
     lazy: AtomicBool,
@@ -45,6 +48,11 @@ struct Inner {
     poison: Option<Error>,
 }
 
+fn next_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 impl Storage {
     /// A storage of `nbytes` on `device`, or an out-of-memory error if the device cannot
     /// hold it (see `memory::admit`); nothing is allocated until it is first written.
@@ -59,6 +67,7 @@ impl Storage {
         memory::on_alloc(device, nbytes);
         Storage {
             device,
+            id: next_id(),
             inner: Mutex::new(Inner {
                 nbytes,
                 buf: None,
@@ -75,6 +84,7 @@ impl Storage {
         memory::on_alloc(device, n);
         Storage {
             device,
+            id: next_id(),
             inner: Mutex::new(Inner {
                 nbytes: n,
                 buf: Some((buf, dtype)),

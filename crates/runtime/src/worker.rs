@@ -30,6 +30,9 @@ use crate::{Error, Result};
 pub(crate) enum JobIn {
     Buf(Arc<pjrt::Buffer>),
     Storage(Arc<Storage>, DType),
+    /// A staged input of a bucketed program: the storage's view, laid out in the padded
+    /// dims when the job runs (see `buckets::stage`).
+    Staged(Arc<Storage>, DType, crate::layout::View, Vec<i64>),
 }
 
 /// Host memory a queued upload reads; the owner (the shim's reference to the CPU tensor)
@@ -115,6 +118,9 @@ pub(crate) struct Job {
     pub new_outputs: usize,
     /// Jobs of other streams it must wait for (filled by `Worker::submit`).
     pub deps: Vec<u64>,
+    /// A bucketed program's results: how many elements of each (new tensors, then
+    /// targets) are real, packed at the front of its buffer. Empty otherwise.
+    pub packed: Vec<crate::buckets::Packed>,
 }
 
 /// A sequence number tagged with its stream.
@@ -221,7 +227,7 @@ impl Worker {
         let prev = crate::storage::collect_marks(|| make(seq));
         let (mut job, mut deps) = prev;
         for i in &job.inputs {
-            if let JobIn::Storage(s, _) = i {
+            if let JobIn::Storage(s, _) | JobIn::Staged(s, ..) = i {
                 deps.push(s.pending_seq());
             }
         }
@@ -268,6 +274,7 @@ impl Worker {
                 new_outputs,
                 outputs: targets,
                 deps: Vec::new(),
+                packed: Vec::new(),
             }
         })
         .map(|_| ())
@@ -416,6 +423,14 @@ impl Worker {
                     }
                     s.buffer_now(rt, *dt).map_err(|e| failed(e.msg))?
                 }
+                JobIn::Staged(s, dt, view, padded) => {
+                    if let Some(e) = s.poisoned() {
+                        return Err(e);
+                    }
+                    let whole = s.buffer_now(rt, *dt).map_err(|e| failed(e.msg))?;
+                    crate::buckets::stage(rt, &whole, *dt, view, padded)
+                        .map_err(|e| failed(e.msg))?
+                }
             });
         }
         let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
@@ -485,7 +500,14 @@ impl Worker {
             self.check_failed(seq, job, e);
             return Ok(());
         }
-        for ((s, dt), b) in job.outputs.iter().zip(outs) {
+        let mut filled = Vec::with_capacity(job.outputs.len());
+        for (i, ((_, dt), b)) in job.outputs.iter().zip(outs).enumerate() {
+            filled.push(match job.packed.get(i) {
+                Some(p) => crate::buckets::compact(rt, &b, *dt, p).map_err(|e| failed(e.msg))?,
+                None => b,
+            });
+        }
+        for ((s, dt), b) in job.outputs.iter().zip(filled) {
             s.fill(seq, b, *dt);
         }
         Ok(())

@@ -340,6 +340,11 @@ fn metrics(py: Python<'_>) -> PyResult<PyObject> {
         ops.set_item(name, (c.native, c.fallback))?;
     }
     d.set_item("ops", ops)?;
+    let programs = PyDict::new(py);
+    for (name, c) in snap.programs {
+        programs.set_item(name, (c.programs, c.bucketed, c.bucket_hits))?;
+    }
+    d.set_item("programs", programs)?;
     let reasons = PyDict::new(py);
     for (k, v) in snap.flush_reasons {
         reasons.set_item(k, v)?;
@@ -348,6 +353,17 @@ fn metrics(py: Python<'_>) -> PyResult<PyObject> {
     d.set_item("cached_programs", rt()?.cache.len())?;
     d.set_item("evicted_programs", rt()?.cache.evicted())?;
     Ok(d.into_any().unbind())
+}
+
+/// Programs that serve a range of sizes (see the runtime's `buckets`): on or off.
+#[pyfunction]
+fn set_shape_buckets(on: bool) {
+    runtime::buckets::set_enabled(on);
+}
+
+#[pyfunction]
+fn shape_buckets() -> bool {
+    runtime::buckets::enabled()
 }
 
 #[pyfunction]
@@ -468,6 +484,8 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fallback_enabled, m)?)?;
     m.add_function(wrap_pyfunction!(metrics, m)?)?;
     m.add_function(wrap_pyfunction!(reset_metrics, m)?)?;
+    m.add_function(wrap_pyfunction!(set_shape_buckets, m)?)?;
+    m.add_function(wrap_pyfunction!(shape_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(lowered_ops, m)?)?;
     m.add_function(wrap_pyfunction!(eager_mode, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;

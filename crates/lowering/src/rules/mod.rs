@@ -120,6 +120,83 @@ pub fn outs_exclude_each_other(op: &str) -> Option<&'static str> {
     }
 }
 
+/// Ops whose programs may serve a range of sizes (the runtime's `buckets`): their rules
+/// stay exact when XLA pads a dimension (no size used as a number, no op the dynamic
+/// padder cannot follow), checked against the CPU at several sizes of one bucket in
+/// tests/test_dynamic.py. Others (mean and var divide by a size, sort, cumsum, roll, fills
+/// of a fresh tensor, ...) compile per shape.
+pub fn serves_sizes(op: &str) -> bool {
+    let base = op
+        .trim_start_matches("aten::")
+        .trim_start_matches("torch_pjrt::")
+        .trim_end_matches('_');
+    matches!(
+        base,
+        "add"
+            | "sub"
+            | "rsub"
+            | "mul"
+            | "div"
+            | "neg"
+            | "abs"
+            | "pow"
+            | "rsqrt"
+            | "sqrt"
+            | "exp"
+            | "log"
+            | "tanh"
+            | "sigmoid"
+            | "silu"
+            | "gelu"
+            | "relu"
+            | "cos"
+            | "sin"
+            | "where"
+            | "isneginf"
+            | "isinf"
+            | "isnan"
+            | "eq"
+            | "ne"
+            | "lt"
+            | "le"
+            | "gt"
+            | "ge"
+            | "logical_not"
+            | "logical_and"
+            | "logical_or"
+            | "bitwise_not"
+            | "masked_fill"
+            | "clamp"
+            | "minimum"
+            | "maximum"
+            | "copy"
+            | "_to_copy"
+            | "mm"
+            | "bmm"
+            | "addmm"
+            | "_softmax"
+            | "_log_softmax"
+            | "sum"
+            | "amax"
+            | "amin"
+            | "argmax"
+            | "argmin"
+            | "max"
+            | "min"
+            | "prod"
+            | "all"
+            | "any"
+            | "logsumexp"
+            | "linalg_vector_norm"
+            | "cat"
+            | "index_select"
+            | "embedding"
+            | "tril"
+            | "triu"
+            | "flip"
+    )
+}
+
 /// Ops that take non-scalar CPU tensors next to tpu ones: copies between the devices (our
 /// own ops) and the indices of advanced indexing, as on CUDA. Other ops accept a CPU tensor
 /// only as a 0-dim scalar.

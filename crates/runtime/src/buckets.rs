@@ -1,0 +1,457 @@
+//! Programs that serve a range of sizes (Strict and Debug).
+//!
+//! An op's *signature* is its cache key with every tensor reduced to dtype, rank and
+//! storage identity. The first call of a signature compiles the exact program, as always.
+//! When a later call of the same signature differs in a tensor's sizes, strides, offset or
+//! storage size, that tensor becomes *staged* (and the dims that changed *dynamic*), like
+//! torch.compile's automatic dynamic shapes. From then on a call whose exact program is
+//! not cached runs a bucketed program instead:
+//!
+//! - a staged tensor is a parameter of its logical shape with each dynamic dim padded to its
+//!   bucket (the next power of two, at least 16), filled on the host from the storage (any
+//!   view); its real size is an `i32` parameter and `stablehlo.set_dimension_size` tells XLA.
+//!   XLA's dynamic padder then makes every op of the rule exact on the real part (reductions
+//!   and contractions ignore the padding, concatenation packs, softmax normalizes over the
+//!   real length);
+//! - XLA returns a dynamic result packed at the front of its padded buffer, in row-major
+//!   order of the real shape (`PJRT_Buffer_UnpaddedDimensions` says the real sizes): the
+//!   first elements are the new storage.
+//!
+//! So programs per op grow with the number of buckets (logarithmic in the sizes seen), and
+//! a size inside a known bucket compiles nothing. The real output sizes of a new tensor come
+//! from lowering the op at its exact shapes (no compilation; cached by exact key).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use stablehlo::DType;
+
+use crate::exec::{Loc, Param, Path, RArg, TensorRef, Variant};
+use crate::layout::View;
+use crate::{Error, Result, Runtime};
+
+static ENABLED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
+
+/// Off unless `TORCH_TPU_SHAPE_BUCKETS=1` (or `set_enabled(true)`): not every rule is
+/// exact on padded inputs yet (see `lowering::rules::serves_sizes`).
+pub fn enabled() -> bool {
+    use std::sync::atomic::Ordering;
+    match ENABLED.load(Ordering::Relaxed) {
+        2 => {
+            let on = std::env::var("TORCH_TPU_SHAPE_BUCKETS").is_ok_and(|v| v == "1");
+            ENABLED.store(on as u8, Ordering::Relaxed);
+            on
+        }
+        v => v == 1,
+    }
+}
+
+pub fn set_enabled(on: bool) {
+    ENABLED.store(on as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Calls reading one storage at one position that make it a persistent tensor.
+const PERSISTENT: u32 = 4;
+
+/// Smallest bucket: sizes up to it share one program.
+const MIN_BUCKET: i64 = 16;
+
+pub(crate) fn bucket(n: i64) -> i64 {
+    (n.max(MIN_BUCKET) as u64).next_power_of_two() as i64
+}
+
+#[derive(Clone, PartialEq, Eq)]
+struct Seen {
+    sizes: Vec<i64>,
+    strides: Vec<i64>,
+    offset: i64,
+    nbytes: i64,
+}
+
+struct Sig {
+    first: Vec<Seen>,
+    /// How often each tensor position has seen each storage: one read by many calls is a
+    /// persistent tensor (a parameter), never staged: its sizes differ between call sites
+    /// (layers), not over time. An activation is read by a few calls only (q, k and v
+    /// projections: three).
+    ids: Vec<HashMap<u64, u32>>,
+    staged: Vec<bool>,
+    dynamic: Vec<Vec<bool>>,
+    /// A bucketed program of this signature failed to compile or lost a dynamic size:
+    /// exact programs only.
+    off: bool,
+}
+
+/// How one call runs bucketed: for each staged tensor, each dim's bucket (None: static).
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Staging {
+    pub staged: HashMap<Path, Vec<Option<i64>>>,
+    pub sig: Vec<u8>,
+}
+
+impl Staging {
+    pub fn padded(&self, path: Path, t: &TensorRef) -> Option<Vec<i64>> {
+        self.staged.get(&path).map(|dims| {
+            dims.iter()
+                .zip(&t.view.sizes)
+                .map(|(b, s)| b.unwrap_or(*s))
+                .collect()
+        })
+    }
+}
+
+/// The real sizes of a call's new tensors.
+pub(crate) type NewSizes = Arc<Vec<Vec<i64>>>;
+
+#[derive(Default)]
+pub struct Buckets {
+    sigs: Mutex<HashMap<Vec<u8>, Sig>>,
+    /// Exact key -> real sizes of the op's new tensors.
+    sizes: Mutex<HashMap<Vec<u8>, NewSizes>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Whether a call may run bucketed at all: no random state, host tensors only as scalars,
+/// no empty tensor, and whatever it writes is a whole storage (replaced by the result).
+fn eligible(op: &str, params: &[Param], var: Variant) -> bool {
+    if !lowering::rules::serves_sizes(op) {
+        return false;
+    }
+    let whole = |t: &TensorRef| {
+        t.dtype.is_some_and(|d| {
+            t.view.offset == 0 && dense(&t.view) && t.view.numel() * d.size() as i64 == t.nbytes
+        })
+    };
+    for (i, p) in params.iter().enumerate() {
+        match &p.arg {
+            RArg::Generator(_) => return false,
+            RArg::Tensor(t) => {
+                if t.view.numel() == 0 || matches!(t.loc, Loc::Host(_)) && !t.view.sizes.is_empty()
+                {
+                    return false;
+                }
+                let target = p.is_out || (var == Variant::Inplace && i == 0);
+                if target && !whole(t) {
+                    return false;
+                }
+                if p.is_write && !target {
+                    return false;
+                }
+            }
+            RArg::List(items) => {
+                for a in items {
+                    if let RArg::Tensor(t) = a {
+                        if t.view.numel() == 0 || matches!(t.loc, Loc::Host(_)) || p.is_write {
+                            return false;
+                        }
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    true
+}
+
+/// Every element once, no gaps, in some order of the dims (PyTorch keeps an input's
+/// permuted layout for an op's output).
+fn dense(v: &View) -> bool {
+    let mut dims: Vec<(i64, i64)> = v
+        .sizes
+        .iter()
+        .zip(&v.strides)
+        .filter(|(n, _)| **n > 1)
+        .map(|(n, s)| (*s, *n))
+        .collect();
+    dims.sort_unstable();
+    let mut expect = 1;
+    for (stride, n) in dims {
+        if stride != expect {
+            return false;
+        }
+        expect *= n;
+    }
+    true
+}
+
+impl Buckets {
+    /// Notes the shapes of a call whose exact program is not cached and says whether it
+    /// runs bucketed (and how).
+    pub(crate) fn observe(
+        &self,
+        op: &str,
+        overload: &str,
+        device: usize,
+        params: &[Param],
+        var: Variant,
+    ) -> Option<Staging> {
+        if !enabled() || !eligible(op, params, var) {
+            return None;
+        }
+        let sig = crate::exec::signature(op, overload, device, params);
+        let ts = crate::exec::tensor_paths(params);
+        let seen: Vec<Seen> = ts
+            .iter()
+            .map(|(_, t)| Seen {
+                sizes: t.view.sizes.clone(),
+                strides: t.view.strides.clone(),
+                offset: t.view.offset,
+                nbytes: t.nbytes,
+            })
+            .collect();
+        let mut sigs = lock(&self.sigs);
+        let Some(s) = sigs.get_mut(&sig) else {
+            if sigs.len() >= 1 << 16 {
+                sigs.clear();
+            }
+            let n = seen.len();
+            let dynamic = seen.iter().map(|x| vec![false; x.sizes.len()]).collect();
+            let ids = ts
+                .iter()
+                .map(|(_, t)| t.storage().map(|s| (s.id, 1)).into_iter().collect())
+                .collect();
+            sigs.insert(
+                sig,
+                Sig {
+                    ids,
+                    first: seen,
+                    staged: vec![false; n],
+                    dynamic,
+                    off: false,
+                },
+            );
+            return None;
+        };
+        if s.off {
+            return None;
+        }
+        let mut persistent = vec![false; ts.len()];
+        for (i, (_, t)) in ts.iter().enumerate() {
+            if let Some(id) = t.storage().map(|s| s.id) {
+                let seen = &mut s.ids[i];
+                if seen.len() >= 4096 {
+                    seen.retain(|_, n| *n >= PERSISTENT);
+                }
+                let n = seen.entry(id).or_default();
+                *n = n.saturating_add(1);
+                persistent[i] = *n >= PERSISTENT;
+            }
+        }
+        for (i, (now, first)) in seen.iter().zip(&s.first).enumerate() {
+            if now != first && !persistent[i] {
+                s.staged[i] = true;
+                for (d, (a, b)) in now.sizes.iter().zip(&first.sizes).enumerate() {
+                    if a != b {
+                        s.dynamic[i][d] = true;
+                    }
+                }
+            }
+        }
+        if !s.staged.iter().zip(&persistent).any(|(x, p)| *x && !p) {
+            return None;
+        }
+        let mut staging = Staging {
+            staged: HashMap::new(),
+            sig,
+        };
+        for (i, (path, t)) in ts.iter().enumerate() {
+            if s.staged[i] && !persistent[i] {
+                let dims = t
+                    .view
+                    .sizes
+                    .iter()
+                    .zip(&s.dynamic[i])
+                    // A size of 1 broadcasts: never padded (its own program).
+                    .map(|(n, d)| (*d && *n != 1).then(|| bucket(*n)))
+                    .collect();
+                staging.staged.insert(*path, dims);
+            }
+        }
+        Some(staging)
+    }
+
+    /// Exact programs only from now on for this signature.
+    pub(crate) fn disable(&self, sig: &[u8]) {
+        if let Some(s) = lock(&self.sigs).get_mut(sig) {
+            s.off = true;
+        }
+    }
+
+    /// The real sizes of the new tensors of a call, computed once per exact key by lowering
+    /// it (no compilation), and whether this is the first call at that key. None when the
+    /// op does not lower at these shapes.
+    pub(crate) fn new_sizes(
+        &self,
+        key: &[u8],
+        f: impl FnOnce() -> Result<Option<Vec<Vec<i64>>>>,
+    ) -> Result<Option<(NewSizes, bool)>> {
+        if let Some(s) = lock(&self.sizes).get(key) {
+            return Ok(Some((s.clone(), false)));
+        }
+        let Some(v) = f()? else { return Ok(None) };
+        let v = Arc::new(v);
+        let mut m = lock(&self.sizes);
+        if m.len() >= 1 << 16 {
+            m.clear();
+        }
+        m.insert(key.to_vec(), v.clone());
+        Ok(Some((v, true)))
+    }
+}
+
+/// A staged input: the view's elements laid out in `padded` (row-major), zeros elsewhere.
+pub(crate) fn stage(
+    rt: &Runtime,
+    storage: &pjrt::Buffer,
+    dtype: DType,
+    view: &View,
+    padded: &[i64],
+) -> Result<Arc<pjrt::Buffer>> {
+    let bytes = rt.download(storage)?;
+    let size = dtype.size();
+    // SAFETY: `bytes` is the whole storage and the view lies inside it (PyTorch's bounds).
+    let real = unsafe { crate::host::read(bytes.as_ptr(), view, size) };
+    let n: i64 = padded.iter().product();
+    let mut out = vec![0u8; n as usize * size];
+    if padded == view.sizes.as_slice() {
+        out.copy_from_slice(&real);
+    } else {
+        let mut strides = vec![1i64; padded.len()];
+        for d in (0..padded.len().saturating_sub(1)).rev() {
+            strides[d] = strides[d + 1] * padded[d + 1];
+        }
+        let to = View {
+            sizes: view.sizes.clone(),
+            strides,
+            offset: 0,
+        };
+        // SAFETY: `to` indexes inside `out` (each real size is at most its padded size).
+        unsafe { crate::host::write(out.as_mut_ptr(), &to, size, &real) };
+    }
+    Ok(Arc::new(rt.upload(
+        &out,
+        dtype,
+        padded,
+        storage.device(),
+    )?))
+}
+
+/// Where a bucketed program's result goes: its element count, and the target's layout
+/// when that is not row-major (an out= tensor in a permuted layout).
+pub(crate) type Packed = (i64, Option<View>);
+
+/// The storage of a bucketed program's result: its first `elems` elements (row-major in
+/// the logical shape), laid out as `layout` says, as one flat buffer. Fails if XLA did not
+/// keep the size dynamic (the result would be padded).
+pub(crate) fn compact(
+    rt: &Runtime,
+    buf: &Arc<pjrt::Buffer>,
+    dtype: DType,
+    packed: &Packed,
+) -> Result<Arc<pjrt::Buffer>> {
+    let (elems, layout) = (packed.0, packed.1.as_ref());
+    let real = buf
+        .unpadded_dims()
+        .map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
+    if real.iter().product::<i64>() != elems {
+        return Err(Error::runtime(format!(
+            "a program serving several sizes returned {real:?} where {elems} elements were expected (torch_pjrt.set_shape_buckets(False) compiles every shape)"
+        )));
+    }
+    let dims = buf.dims();
+    if dims.len() == 1 && dims[0] == elems && layout.is_none() {
+        return Ok(buf.clone());
+    }
+    let mut bytes = rt.download(buf)?;
+    bytes.truncate(elems as usize * dtype.size());
+    if let Some(v) = layout {
+        let mut out = vec![0u8; bytes.len()];
+        // SAFETY: `v` is dense over exactly `elems` elements (checked by `eligible`).
+        unsafe { crate::host::write(out.as_mut_ptr(), v, dtype.size(), &bytes) };
+        bytes = out;
+    }
+    Ok(Arc::new(rt.upload(
+        &bytes,
+        dtype,
+        &[elems],
+        buf.device(),
+    )?))
+}
+
+/// `torch.arange` of integers into a fresh tensor, computed on the host and uploaded: its
+/// program would depend on the bounds' values (positions in generation: one program per
+/// token). Returns false when the call is not one (floats, a written or large output).
+pub(crate) fn host_arange(rt: &Runtime, op: &str, params: &[Param]) -> Result<bool> {
+    if op != "aten::arange" || crate::mode::get() == crate::mode::EagerMode::DeferAndFuse {
+        return Ok(false);
+    }
+    let int = |name: &str, default: Option<i64>| match params.iter().find(|p| p.name == name) {
+        Some(Param {
+            arg: RArg::Int(v), ..
+        }) => Some(*v),
+        None => default,
+        Some(_) => None,
+    };
+    let (Some(start), Some(end), Some(step)) = (
+        int("start", Some(0)),
+        int("end", None),
+        int("step", Some(1)),
+    ) else {
+        return Ok(false);
+    };
+    let Some(RArg::Tensor(out)) = params.iter().find(|p| p.is_out).map(|p| &p.arg) else {
+        return Ok(false);
+    };
+    let (Some(dt), Loc::Device(sp)) = (out.dtype, out.loc) else {
+        return Ok(false);
+    };
+    if step == 0 || !matches!(dt, DType::I64 | DType::I32) {
+        return Ok(false);
+    }
+    let n = (end - start + step - step.signum()) / step;
+    // SAFETY: the shim holds the tensor alive during the call.
+    let storage = unsafe { &*sp };
+    let whole = out.view.is_whole(out.nbytes / dt.size() as i64);
+    if n <= 0 || n > 1 << 16 || out.view.sizes != [n] || !whole || storage.is_written() {
+        return Ok(false);
+    }
+    let mut bytes = Vec::with_capacity(n as usize * dt.size());
+    for i in 0..n {
+        let v = start + i * step;
+        match dt {
+            DType::I64 => bytes.extend_from_slice(&v.to_le_bytes()),
+            _ => bytes.extend_from_slice(&(v as i32).to_le_bytes()),
+        }
+    }
+    let buf = rt.upload(&bytes, dt, &[n], out.device)?;
+    storage.set(Arc::new(buf), dt)?;
+    rt.metrics.native(op);
+    Ok(true)
+}
+
+/// A `size` argument equal to a staged tensor's sizes (the destination shape of
+/// `torch_pjrt::copy`, which `repeat_interleave` and `expand(...).clone()` reach) becomes
+/// that tensor's padded sizes, so that the program is the bucket's.
+pub(crate) fn pad_size_args(params: &[Param], st: &Staging) -> Option<Vec<Param>> {
+    let i = params.iter().position(|p| p.name == "size")?;
+    let RArg::List(items) = &params[i].arg else {
+        return None;
+    };
+    let size: Vec<i64> = items
+        .iter()
+        .map(|a| match a {
+            RArg::Int(v) => Some(*v),
+            _ => None,
+        })
+        .collect::<Option<_>>()?;
+    let padded = crate::exec::tensor_paths(params)
+        .into_iter()
+        .find(|(path, t)| t.view.sizes == size && st.staged.contains_key(path))
+        .and_then(|(path, t)| st.padded(path, t))?;
+    let mut out = params.to_vec();
+    out[i].arg = RArg::List(padded.into_iter().map(RArg::Int).collect());
+    Some(out)
+}

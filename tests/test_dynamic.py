@@ -1,0 +1,135 @@
+"""Programs that serve a range of sizes (torch_pjrt.set_shape_buckets): the CPU's results
+at several sizes of one bucket, with no compilation after the bucket's first program."""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torch_pjrt
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+
+
+@pytest.fixture(autouse=True)
+def buckets():
+    was = torch_pjrt.set_shape_buckets(True)
+    yield
+    torch_pjrt.set_shape_buckets(was)
+
+
+def _idx(t):
+    return torch.arange(t.shape[0], device=t.device).flip(0)
+
+
+# One op (or a short chain) per case; each runs at sizes 16..21 of dim 0 (one bucket).
+CASES = {
+    "add_mul": lambda t: (t + 1.5) * t - t / 3,
+    "pointwise": lambda t: torch.where(t > 0, t.exp().log1p(), t.sigmoid() * t.tanh()),
+    "softmax0": lambda t: t.softmax(0),
+    "log_softmax0": lambda t: F.log_softmax(t, 0),
+    "sum0": lambda t: t.sum(0),
+    "amax_argmax": lambda t: t.amax(0) + t.argmax(0),
+    "max_values": lambda t: t.max(0).values,
+    "prod": lambda t: t.prod(0),
+    "logsumexp": lambda t: t.logsumexp(0),
+    "norm": lambda t: t.norm(dim=0),
+    "any_all": lambda t: (t > 0).any(0) & (t > -3).all(0),
+    "mm": lambda t: t.T @ t,
+    "mm_rows": lambda t: t @ t.T,
+    "bmm": lambda t: torch.bmm(t.view(1, *t.shape), t.T.reshape(1, *t.T.shape)),
+    "cat": lambda t: torch.cat([t, t * 2], 0),
+    "index_select": lambda t: t.index_select(0, _idx(t)),
+    "embedding": lambda t: F.embedding(torch.arange(t.shape[0], device=t.device) % 8, t[:8]),
+    "tril_triu": lambda t: (t @ t.T).tril() - (t @ t.T).triu(1),
+    "flip": lambda t: t.flip(0),
+    "gelu_silu": lambda t: F.gelu(t) + F.silu(t),
+    "transposed_out": lambda t: t.T.contiguous().T * 2,
+    "repeat_interleave": lambda t: t.view(1, *t.shape).repeat_interleave(2, 0),
+    # Not bucketed (compiled per shape): must still match.
+    "mean0": lambda t: t.mean(0),
+    "var0": lambda t: t.var(0),
+    "sort0": lambda t: t.sort(0).values,
+    "cumsum0": lambda t: t.cumsum(0),
+    "pad": lambda t: F.pad(t, (0, 0, 1, 2)),
+    "cross_entropy": lambda t: F.cross_entropy(
+        t, torch.zeros(t.shape[0], dtype=torch.long, device=t.device)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sizes_of_one_bucket_match_cpu(name):
+    f = CASES[name]
+    torch.manual_seed(0)
+    for n in range(16, 22):
+        x = torch.randn(n, 8)
+        want = f(x)
+        got = f(x.to("tpu")).cpu()
+        assert got.shape == want.shape, (name, n)
+        torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_no_compilation_inside_a_bucket():
+    torch.manual_seed(0)
+    for n in (40, 33):  # first exact, then the bucket 64's program
+        x = torch.randn(n, 8).to("tpu")
+        ((x * 2).softmax(0) @ x.T).cpu()
+    torch_pjrt.reset_metrics()
+    for n in range(34, 64):
+        x = torch.randn(n, 8)
+        got = ((x.to("tpu") * 2).softmax(0) @ x.to("tpu").T).cpu()
+        torch.testing.assert_close(got, (x * 2).softmax(0) @ x.T)
+    m = torch_pjrt.metrics()
+    # Nothing built (compiled or loaded from the disk cache) inside the bucket.
+    assert sum(c[0] for c in m["programs"].values()) == 0, m["programs"]
+    assert m["new_shapes_served"] >= 80
+    hits = {op: c[2] for op, c in m["programs"].items()}
+    assert hits["aten::_softmax"] >= 28 and hits["aten::mm"] >= 28
+
+
+def test_programs_grow_with_buckets_not_sizes():
+    torch_pjrt.reset_metrics()
+    torch.manual_seed(1)
+    for n in range(70, 200, 3):  # buckets 128 and 256
+        x = torch.randn(3, n)
+        torch.testing.assert_close((x.to("tpu").exp() * 3).sum(1).cpu(), (x.exp() * 3).sum(1))
+    progs = torch_pjrt.metrics()["programs"]
+    assert progs["aten::sum"][0] <= 3 and progs["aten::exp"][0] <= 3, progs
+
+
+def test_generation_with_a_growing_cache_matches_cpu():
+    from models import Llama
+
+    torch.manual_seed(0)
+    m = Llama().eval()
+    ids = torch.randint(0, 256, (1, 16))
+    want = m.generate(ids, 40)
+    mt = Llama().eval()
+    mt.load_state_dict(m.state_dict())
+    mt = mt.to("tpu")
+    torch_pjrt.reset_metrics()
+    got = mt.generate(ids.to("tpu"), 40).cpu()
+    assert torch.equal(got, want)
+    m1 = torch_pjrt.metrics()
+    # Another prompt length: bucketed programs serve it.
+    ids2 = torch.randint(0, 256, (1, 21))
+    torch_pjrt.reset_metrics()
+    assert torch.equal(mt.generate(ids2.to("tpu"), 20).cpu(), m.generate(ids2, 20))
+    m2 = torch_pjrt.metrics()
+    assert m2["new_shapes_served"] > 0
+    # The decode steps reuse the first call's programs; prefill at a new length still
+    # compiles the ops that were not yet seen changing (#18: not yet "nothing new").
+    built = [sum(c[0] for c in m["programs"].values()) for m in (m1, m2)]
+    assert built[1] < built[0], built
+
+
+def test_off_compiles_every_shape():
+    torch_pjrt.set_shape_buckets(False)
+    torch_pjrt.reset_metrics()
+    for n in (101, 102, 103):
+        (torch.randn(n, 5).to("tpu") * 7).cpu()
+    m = torch_pjrt.metrics()
+    assert m["new_shapes_served"] == 0 and m["programs"]["aten::mul"][1] == 0
