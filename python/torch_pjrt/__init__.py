@@ -5,6 +5,7 @@ plugin), registers the ``tpu`` device with PyTorch and the ``torch.tpu`` module.
 on a tpu tensor is lowered in Rust to StableHLO and run by XLA.
 """
 
+import atexit
 import site
 import sys
 import types
@@ -48,6 +49,8 @@ def _search_dirs():
 
 def _register():
     _C._init(_search_dirs())
+    # A background compilation must not outlive the PJRT client at exit.
+    atexit.register(_C.shutdown_background)
     if torch._C._get_privateuse1_backend_name() != "tpu":
         torch.utils.rename_privateuse1_backend("tpu")
     if not hasattr(torch.Tensor, "is_tpu"):

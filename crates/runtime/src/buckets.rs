@@ -50,6 +50,11 @@ pub fn set_enabled(on: bool) {
     ENABLED.store(on as u8, std::sync::atomic::Ordering::Relaxed);
 }
 
+/// Calls at one exact shape after which a bucketed op gets its exact program (compiled in
+/// the background, `tiers`): a static loop whose op sizes differ between call sites runs
+/// exact programs after a few steps, without staging.
+pub(crate) const EXACT_HOT: u32 = 4;
+
 /// Calls reading one storage at one position that make it a persistent tensor.
 const PERSISTENT: u32 = 4;
 
@@ -107,7 +112,8 @@ pub(crate) type NewSizes = Arc<Vec<Vec<i64>>>;
 pub struct Buckets {
     sigs: Mutex<HashMap<Vec<u8>, Sig>>,
     /// Exact key -> real sizes of the op's new tensors.
-    sizes: Mutex<HashMap<Vec<u8>, NewSizes>>,
+    /// And how many calls had that key.
+    sizes: Mutex<HashMap<Vec<u8>, (NewSizes, u32)>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -281,15 +287,16 @@ impl Buckets {
     }
 
     /// The real sizes of the new tensors of a call, computed once per exact key by lowering
-    /// it (no compilation), and whether this is the first call at that key. None when the
-    /// op does not lower at these shapes.
+    /// it (no compilation), and how many calls (this one included) had that key. None when
+    /// the op does not lower at these shapes.
     pub(crate) fn new_sizes(
         &self,
         key: &[u8],
         f: impl FnOnce() -> Result<Option<Vec<Vec<i64>>>>,
-    ) -> Result<Option<(NewSizes, bool)>> {
-        if let Some(s) = lock(&self.sizes).get(key) {
-            return Ok(Some((s.clone(), false)));
+    ) -> Result<Option<(NewSizes, u32)>> {
+        if let Some((s, n)) = lock(&self.sizes).get_mut(key) {
+            *n = n.saturating_add(1);
+            return Ok(Some((s.clone(), *n)));
         }
         let Some(v) = f()? else { return Ok(None) };
         let v = Arc::new(v);
@@ -297,8 +304,8 @@ impl Buckets {
         if m.len() >= 1 << 16 {
             m.clear();
         }
-        m.insert(key.to_vec(), v.clone());
-        Ok(Some((v, true)))
+        m.insert(key.to_vec(), (v.clone(), 1));
+        Ok(Some((v, 1)))
     }
 }
 

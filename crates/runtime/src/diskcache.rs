@@ -392,6 +392,11 @@ impl DiskCache {
 
     /// The executable stored under `key`, loaded onto `device`; None (a disk miss) when
     /// absent or unusable.
+    /// Whether an entry exists (not whether it loads).
+    pub fn contains(&self, key: &Key) -> bool {
+        self.dir().is_some_and(|d| d.join(entry_name(key)).exists())
+    }
+
     pub fn load(
         &self,
         client: &pjrt::Client,

@@ -101,6 +101,7 @@ pub enum Outcome {
 /// A tensor argument's position: (param index, list element).
 pub(crate) type Path = (usize, Option<usize>);
 
+#[derive(Clone)]
 pub(crate) enum Input {
     Storage {
         path: Path,
@@ -126,6 +127,7 @@ pub(crate) enum Input {
     },
 }
 
+#[derive(Clone)]
 pub(crate) enum Output {
     New {
         dtype: DType,
@@ -158,6 +160,42 @@ pub struct Program {
     rng_consumed: u64,
     /// Serves a range of sizes: staged inputs, results packed in padded buffers.
     pub(crate) bucketed: bool,
+    /// Compiled quickly: what its optimized compilation needs (see `tiers`).
+    quick: Option<crate::tiers::Quick>,
+}
+
+impl Program {
+    /// The same program, optimized: compiled in the background once the quick one is hot,
+    /// then put in the cache under `key` (calls already holding the quick one keep it).
+    fn count_run(self: &Arc<Self>, key: &[u8]) {
+        let Some(q) = &self.quick else { return };
+        if !q.hot() {
+            return;
+        }
+        let Ok(rt) = crate::get() else { return };
+        let (me, key) = (self.clone(), key.to_vec());
+        crate::tiers::background(move || {
+            let q = me.quick.as_ref().expect("quick program");
+            let device = me.exe.device();
+            // A failure keeps the quick program, which works.
+            if let Ok((exe, _)) =
+                rt.compile_full(&q.mlir, device, false, q.custom.as_deref(), false, true)
+            {
+                rt.cache.insert(
+                    key,
+                    Arc::new(Program {
+                        exe,
+                        inputs: me.inputs.clone(),
+                        outputs: me.outputs.clone(),
+                        rets: me.rets.clone(),
+                        rng_consumed: me.rng_consumed,
+                        bucketed: me.bucketed,
+                        quick: None,
+                    }),
+                );
+            }
+        });
+    }
 }
 
 pub(crate) fn tensor_paths(params: &[Param]) -> Vec<(Path, &TensorRef)> {
@@ -487,10 +525,14 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
             rt.metrics
                 .cache_hits
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            p.count_run(&k);
             (p, None)
         }
         None => match bucketed(rt, op, overload, device, params, var, &k)? {
-            Some((p, real)) => (p, Some(real)),
+            Some((p, real, bk)) => {
+                p.count_run(&bk);
+                (p, Some(real))
+            }
             None => {
                 rt.metrics
                     .cache_misses
@@ -498,8 +540,9 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
                 match build(rt, op, overload, device, params, var, None)? {
                     Built::Program(p) => {
                         let p = Arc::new(p);
-                        rt.cache.insert(k, p.clone());
+                        rt.cache.insert(k.clone(), p.clone());
                         rt.metrics.exact_program(op);
+                        p.count_run(&k);
                         (p, None)
                     }
                     Built::Declined(why) => return Ok(Outcome::Declined(why)),
@@ -1163,7 +1206,7 @@ fn build(
     if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
         eprintln!("// {op}.{overload}\n{mlir}");
     }
-    let exe = rt.compile(&mlir, device, false).map_err(|e| {
+    let (exe, quick) = rt.compile_op(&mlir, device).map_err(|e| {
         let shapes: Vec<String> = tensors(params)
             .iter()
             .map(|(_, t)| format!("{}{}", dt_name(t.dtype), shape_str(&t.view.sizes)))
@@ -1181,8 +1224,16 @@ fn build(
         rets: p.rets,
         rng_consumed: p.rng_consumed,
         bucketed: staging.is_some(),
+        quick: quick.then(|| crate::tiers::Quick {
+            mlir,
+            custom: crate::options::current(),
+            runs: Default::default(),
+        }),
     }))
 }
+
+/// A bucketed program, the real sizes of the call's new tensors, the program's cache key.
+type Served = (Arc<Program>, crate::buckets::NewSizes, Vec<u8>);
 
 /// The bucketed program for a call whose exact program is not cached, if its signature
 /// has changing shapes (see `buckets`), with the real sizes of its new tensors.
@@ -1194,7 +1245,7 @@ fn bucketed(
     params: &[Param],
     var: Variant,
     exact_key: &[u8],
-) -> Result<Option<(Arc<Program>, crate::buckets::NewSizes)>> {
+) -> Result<Option<Served>> {
     let Some(st) = rt.buckets.observe(op, overload, device, params, var) else {
         return Ok(None);
     };
@@ -1212,22 +1263,26 @@ fn bucketed(
             Plan::Declined(_) | Plan::Resize(_) => None,
         })
     })?;
-    let Some((real, fresh)) = real else {
+    let Some((real, calls)) = real else {
         return Ok(None);
     };
+    if calls == crate::buckets::EXACT_HOT {
+        exact_in_background(op, overload, device, params, var, exact_key)?;
+    }
+    let fresh = calls == 1;
     let padded_params = crate::buckets::pad_size_args(params, &st);
     let params = padded_params.as_deref().unwrap_or(params);
     let bk = key_with(op, overload, device, params, KeyMode::Bucket(&st));
     if let Some(p) = rt.cache.get(&bk) {
         rt.metrics.bucket_hit(op, fresh);
-        return Ok(Some((p, real)));
+        return Ok(Some((p, real, bk)));
     }
     match build(rt, op, overload, device, params, var, Some(&st)) {
         Ok(Built::Program(p)) => {
             let p = Arc::new(p);
-            rt.cache.insert(bk, p.clone());
+            rt.cache.insert(bk.clone(), p.clone());
             rt.metrics.bucket_compile(op);
-            Ok(Some((p, real)))
+            Ok(Some((p, real, bk)))
         }
         // XLA's dynamic padder does not take every program: exact shapes for this one.
         Ok(_) | Err(_) => {
@@ -1235,6 +1290,43 @@ fn bucketed(
             Ok(None)
         }
     }
+}
+
+/// Plans a call's exact program here and compiles it on the background thread, into the
+/// cache under `key` (a bucketed program serves the call until then).
+fn exact_in_background(
+    op: &str,
+    overload: &str,
+    device: usize,
+    params: &[Param],
+    var: Variant,
+    key: &[u8],
+) -> Result<()> {
+    let Plan::Done(p) = plan(op, overload, device, params, var)? else {
+        return Ok(());
+    };
+    let mlir = p.b.finish(&p.results);
+    let (custom, key, op) = (crate::options::current(), key.to_vec(), op.to_string());
+    crate::tiers::background(move || {
+        let Ok(rt) = crate::get() else { return };
+        if let Ok((exe, _)) = rt.compile_full(&mlir, device, false, custom.as_deref(), false, true)
+        {
+            rt.metrics.exact_program(&op);
+            rt.cache.insert(
+                key,
+                Arc::new(Program {
+                    exe,
+                    inputs: p.inputs,
+                    outputs: p.outputs,
+                    rets: p.rets,
+                    rng_consumed: p.rng_consumed,
+                    bucketed: false,
+                    quick: None,
+                }),
+            );
+        }
+    });
+    Ok(())
 }
 
 /// Elements of each result of a bucketed program (new tensors, then targets) once packed.

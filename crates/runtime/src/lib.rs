@@ -22,6 +22,7 @@ pub mod mode;
 pub mod options;
 pub mod storage;
 pub mod stream;
+pub mod tiers;
 pub mod trace;
 pub mod worker;
 
@@ -442,25 +443,89 @@ impl Runtime {
     /// Compiles a StableHLO module for `device` (every compilation goes through here), or
     /// loads it from the disk cache.
     pub fn compile(&self, mlir: &str, device: usize, deferred: bool) -> Result<pjrt::Executable> {
+        self.compile_opts(mlir, device, deferred, options::current().as_deref(), false)
+            .map(|(exe, _)| exe)
+    }
+
+    /// A per-op program: compiled quickly (see `tiers`) unless its optimized version is on
+    /// disk. Returns it and whether it is the quick one.
+    pub(crate) fn compile_op(&self, mlir: &str, device: usize) -> Result<(pjrt::Executable, bool)> {
         let custom = options::current();
-        let extra: &[(String, pjrt::OptionValue)] = custom.as_ref().map_or(&[], |c| &c.list);
-        let key = self.disk.key(mlir, device, &options::key_part());
+        self.compile_opts(
+            mlir,
+            device,
+            false,
+            custom.as_deref(),
+            tiers::quick_enabled(),
+        )
+    }
+
+    /// Compiles with explicit custom options; `quick`: the optimized program if the disk
+    /// cache has it, else a quick one. Returns the executable and whether it is quick.
+    pub(crate) fn compile_opts(
+        &self,
+        mlir: &str,
+        device: usize,
+        deferred: bool,
+        custom: Option<&options::Custom>,
+        quick: bool,
+    ) -> Result<(pjrt::Executable, bool)> {
+        self.compile_full(mlir, device, deferred, custom, quick, false)
+    }
+
+    /// `compile_opts`; `background`: counted apart (`metrics()["background_compilations"]`),
+    /// not in the compilations a caller waited for.
+    pub(crate) fn compile_full(
+        &self,
+        mlir: &str,
+        device: usize,
+        deferred: bool,
+        custom: Option<&options::Custom>,
+        quick: bool,
+        background: bool,
+    ) -> Result<(pjrt::Executable, bool)> {
+        let mut extra: Vec<(String, pjrt::OptionValue)> =
+            custom.map_or(Vec::new(), |c| c.list.clone());
+        let base = custom.map_or(Vec::new(), |c| c.key.clone());
+        let key = self.disk.key(mlir, device, &base);
         let t0 = std::time::Instant::now();
-        if let Some(exe) = key.as_ref().and_then(|k| {
-            self.disk
-                .load(&self.client, &self.metrics, k, device, extra)
-        }) {
+        // A quick or background compile looks for the optimized program without counting a
+        // miss.
+        if let Some(exe) = key
+            .as_ref()
+            .filter(|k| !(quick || background) || self.disk.contains(k))
+            .and_then(|k| {
+                self.disk
+                    .load(&self.client, &self.metrics, k, device, &extra)
+            })
+        {
             trace::note(trace::Source::Loaded(t0.elapsed().as_secs_f64()));
-            return Ok(exe);
+            return Ok((exe, false));
+        }
+        let mut key = key;
+        if quick {
+            extra.push((tiers::QUICK.into(), pjrt::OptionValue::Int(0)));
+            let mut qk = base.clone();
+            qk.extend_from_slice(b"quick");
+            key = self.disk.key(mlir, device, &qk);
+            if let Some(exe) = key.as_ref().and_then(|k| {
+                self.disk
+                    .load(&self.client, &self.metrics, k, device, &extra)
+            }) {
+                trace::note(trace::Source::Loaded(t0.elapsed().as_secs_f64()));
+                return Ok((exe, true));
+            }
         }
         let t0 = std::time::Instant::now();
         let exe = self
             .client
-            .compile_with(mlir, device, extra)
+            .compile_with(mlir, device, &extra)
             .map_err(|e| Error::runtime(e.message))?;
         let secs = t0.elapsed().as_secs_f64();
         trace::note(trace::Source::Compiled(secs));
-        if deferred {
+        if background {
+            self.metrics.compiled_background(secs);
+        } else if deferred {
             self.metrics.compiled_deferred(secs);
         } else {
             self.metrics.compiled(secs);
@@ -468,7 +533,7 @@ impl Runtime {
         if let Some(k) = key {
             self.disk.store(&k, &exe);
         }
-        Ok(exe)
+        Ok((exe, quick))
     }
 
     /// Changes the eager mode; pending deferred work runs first.

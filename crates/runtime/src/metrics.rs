@@ -43,6 +43,10 @@ pub struct Metrics {
     pub split_flushes: AtomicU64,
     flush_reasons: Mutex<BTreeMap<String, u64>>,
     programs: Mutex<BTreeMap<String, ProgramCounts>>,
+    /// Compilations on the background thread (optimized versions, exact programs of hot
+    /// bucketed calls) and their seconds: nobody waited for them.
+    pub background_compilations: AtomicU64,
+    background_nanos: AtomicU64,
     /// Calls at an exact shape never seen before that a bucketed program served.
     pub new_shapes_served: AtomicU64,
 }
@@ -70,6 +74,11 @@ impl Metrics {
     pub fn compiled(&self, secs: f64) {
         self.compilations.fetch_add(1, Ordering::Relaxed);
         self.compile_nanos
+            .fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
+    }
+    pub fn compiled_background(&self, secs: f64) {
+        self.background_compilations.fetch_add(1, Ordering::Relaxed);
+        self.background_nanos
             .fetch_add((secs * 1e9) as u64, Ordering::Relaxed);
     }
     pub fn compiled_deferred(&self, secs: f64) {
@@ -159,6 +168,11 @@ impl Metrics {
             ("donated_buffers", g(&self.donated_buffers)),
             ("split_flushes", g(&self.split_flushes)),
             ("new_shapes_served", g(&self.new_shapes_served)),
+            ("background_compilations", g(&self.background_compilations)),
+            (
+                "background_compile_seconds",
+                g(&self.background_nanos) / 1e9,
+            ),
             (
                 // Each would have compiled a program of the mean compilation time.
                 "compile_seconds_saved",
@@ -213,6 +227,8 @@ impl Metrics {
             &self.donated_buffers,
             &self.split_flushes,
             &self.new_shapes_served,
+            &self.background_compilations,
+            &self.background_nanos,
         ] {
             a.store(0, Ordering::Relaxed);
         }

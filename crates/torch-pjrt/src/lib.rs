@@ -361,6 +361,18 @@ fn set_shape_buckets(on: bool) {
     runtime::buckets::set_enabled(on);
 }
 
+/// Waits for the background compilations (optimized versions of hot programs).
+#[pyfunction]
+fn wait_background(py: Python<'_>) {
+    py.allow_threads(runtime::tiers::wait_idle);
+}
+
+/// At exit: drops queued background compilations, waits for the one in flight.
+#[pyfunction]
+fn shutdown_background(py: Python<'_>) {
+    py.allow_threads(runtime::tiers::shutdown);
+}
+
 #[pyfunction]
 fn shape_buckets() -> bool {
     runtime::buckets::enabled()
@@ -486,6 +498,8 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(set_shape_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(shape_buckets, m)?)?;
+    m.add_function(wrap_pyfunction!(wait_background, m)?)?;
+    m.add_function(wrap_pyfunction!(shutdown_background, m)?)?;
     m.add_function(wrap_pyfunction!(lowered_ops, m)?)?;
     m.add_function(wrap_pyfunction!(eager_mode, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;
