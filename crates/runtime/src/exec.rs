@@ -151,48 +151,69 @@ pub(crate) enum RetShape {
     None,
 }
 
-/// A compiled op with its input/output plan.
+/// An executable and, if it was compiled quickly, what its optimized compilation needs.
+pub(crate) struct Compiled {
+    pub exe: pjrt::Executable,
+    quick: Option<crate::tiers::Quick>,
+}
+
+/// A compiled op with its input/output plan. In Strict mode the compilation may still be
+/// running on the compile pool (`tiers::compile`): the job waits for it.
 pub struct Program {
-    pub(crate) exe: pjrt::Executable,
+    compiled: std::sync::OnceLock<Result<Compiled>>,
+    pub(crate) device: usize,
     inputs: Vec<Input>,
     pub(crate) outputs: Vec<Output>,
     rets: Vec<RetShape>,
     rng_consumed: u64,
     /// Serves a range of sizes: staged inputs, results packed in padded buffers.
     pub(crate) bucketed: bool,
-    /// Compiled quickly: what its optimized compilation needs (see `tiers`).
-    quick: Option<crate::tiers::Quick>,
 }
 
 impl Program {
+    /// Its executable, once compiled (waits for the compile pool); the compilation's error
+    /// if it failed.
+    pub(crate) fn exe(&self) -> Result<&pjrt::Executable> {
+        match self.compiled.wait() {
+            Ok(c) => Ok(&c.exe),
+            Err(e) => Err(e.clone()),
+        }
+    }
+
+    /// A program of the same plan around `compiled`.
+    fn with(&self, compiled: Compiled) -> Program {
+        Program {
+            compiled: std::sync::OnceLock::from(Ok(compiled)),
+            device: self.device,
+            inputs: self.inputs.clone(),
+            outputs: self.outputs.clone(),
+            rets: self.rets.clone(),
+            rng_consumed: self.rng_consumed,
+            bucketed: self.bucketed,
+        }
+    }
+
     /// The same program, optimized: compiled in the background once the quick one is hot,
     /// then put in the cache under `key` (calls already holding the quick one keep it).
     fn count_run(self: &Arc<Self>, key: &[u8]) {
-        let Some(q) = &self.quick else { return };
+        let Some(Ok(Compiled { quick: Some(q), .. })) = self.compiled.get() else {
+            return;
+        };
         if !q.hot() {
             return;
         }
         let Ok(rt) = crate::get() else { return };
         let (me, key) = (self.clone(), key.to_vec());
         crate::tiers::background(move || {
-            let q = me.quick.as_ref().expect("quick program");
-            let device = me.exe.device();
+            let Some(Ok(Compiled { quick: Some(q), .. })) = me.compiled.get() else {
+                return;
+            };
             // A failure keeps the quick program, which works.
             if let Ok((exe, _)) =
-                rt.compile_full(&q.mlir, device, false, q.custom.as_deref(), false, true)
+                rt.compile_full(&q.mlir, me.device, false, q.custom.as_deref(), false, true)
             {
-                rt.cache.insert(
-                    key,
-                    Arc::new(Program {
-                        exe,
-                        inputs: me.inputs.clone(),
-                        outputs: me.outputs.clone(),
-                        rets: me.rets.clone(),
-                        rng_consumed: me.rng_consumed,
-                        bucketed: me.bucketed,
-                        quick: None,
-                    }),
-                );
+                rt.cache
+                    .insert(key, Arc::new(me.with(Compiled { exe, quick: None })));
             }
         });
     }
@@ -537,9 +558,9 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
                 rt.metrics
                     .cache_misses
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                match build(rt, op, overload, device, params, var, None)? {
+                let in_pool = mode == crate::mode::EagerMode::Strict;
+                match build(rt, op, overload, device, params, var, None, in_pool)? {
                     Built::Program(p) => {
-                        let p = Arc::new(p);
                         rt.cache.insert(k.clone(), p.clone());
                         rt.metrics.exact_program(op);
                         p.count_run(&k);
@@ -597,7 +618,7 @@ pub(crate) fn returns_of(
 }
 
 enum Built {
-    Program(Program),
+    Program(Arc<Program>),
     Declined(String),
     Resize(Vec<(usize, Vec<i64>)>),
 }
@@ -1188,6 +1209,9 @@ pub(crate) fn plan_with(
     }))
 }
 
+/// Plans and compiles an op's program; `in_pool`: the compilation runs on the compile pool
+/// and the program is returned at once (Strict).
+#[allow(clippy::too_many_arguments)]
 fn build(
     rt: &Runtime,
     op: &str,
@@ -1196,6 +1220,7 @@ fn build(
     params: &[Param],
     var: Variant,
     staging: Option<&crate::buckets::Staging>,
+    in_pool: bool,
 ) -> Result<Built> {
     let p = match plan_with(op, overload, device, params, var, staging)? {
         Plan::Done(p) => p,
@@ -1206,30 +1231,52 @@ fn build(
     if std::env::var_os("TORCH_PJRT_DUMP").is_some() {
         eprintln!("// {op}.{overload}\n{mlir}");
     }
-    let (exe, quick) = rt.compile_op(&mlir, device).map_err(|e| {
-        let shapes: Vec<String> = tensors(params)
-            .iter()
-            .map(|(_, t)| format!("{}{}", dt_name(t.dtype), shape_str(&t.view.sizes)))
-            .collect();
-        Error::runtime(format!(
-            "XLA failed to compile {op}.{overload} for inputs ({}): {}",
-            shapes.join(", "),
-            e.msg
-        ))
-    })?;
-    Ok(Built::Program(Program {
-        exe,
+    let shapes: Vec<String> = tensors(params)
+        .iter()
+        .map(|(_, t)| format!("{}{}", dt_name(t.dtype), shape_str(&t.view.sizes)))
+        .collect();
+    let what = format!("{op}.{overload} for inputs ({})", shapes.join(", "));
+    let prog = Program {
+        compiled: std::sync::OnceLock::new(),
+        device,
         inputs: p.inputs,
         outputs: p.outputs,
         rets: p.rets,
         rng_consumed: p.rng_consumed,
         bucketed: staging.is_some(),
-        quick: quick.then(|| crate::tiers::Quick {
-            mlir,
-            custom: crate::options::current(),
-            runs: Default::default(),
-        }),
-    }))
+    };
+    let custom = crate::options::current();
+    let compile = move |rt: &Runtime| -> Result<Compiled> {
+        let quick = crate::tiers::quick_enabled();
+        let (exe, quick) = rt
+            .compile_opts(&mlir, device, false, custom.as_deref(), quick)
+            .map_err(|e| Error::runtime(format!("XLA failed to compile {what}: {}", e.msg)))?;
+        Ok(Compiled {
+            exe,
+            quick: quick.then(|| crate::tiers::Quick {
+                mlir,
+                custom,
+                runs: Default::default(),
+            }),
+        })
+    };
+    if !in_pool {
+        let c = compile(rt)?;
+        let _ = prog.compiled.set(Ok(c));
+        return Ok(Built::Program(Arc::new(prog)));
+    }
+    // Strict: compiled by the pool while Python goes on; the op's job waits for it.
+    let prog = Arc::new(prog);
+    let me = prog.clone();
+    crate::tiers::compile(move || {
+        // A job waits for this cell: it must be set, whatever happens.
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            crate::get().and_then(compile)
+        }))
+        .unwrap_or_else(|_| Err(Error::runtime("the XLA compilation of an op panicked")));
+        let _ = me.compiled.set(r);
+    });
+    Ok(Built::Program(prog))
 }
 
 /// A bucketed program, the real sizes of the call's new tensors, the program's cache key.
@@ -1277,9 +1324,8 @@ fn bucketed(
         rt.metrics.bucket_hit(op, fresh);
         return Ok(Some((p, real, bk)));
     }
-    match build(rt, op, overload, device, params, var, Some(&st)) {
+    match build(rt, op, overload, device, params, var, Some(&st), false) {
         Ok(Built::Program(p)) => {
-            let p = Arc::new(p);
             rt.cache.insert(bk.clone(), p.clone());
             rt.metrics.bucket_compile(op);
             Ok(Some((p, real, bk)))
@@ -1315,13 +1361,13 @@ fn exact_in_background(
             rt.cache.insert(
                 key,
                 Arc::new(Program {
-                    exe,
+                    compiled: std::sync::OnceLock::from(Ok(Compiled { exe, quick: None })),
+                    device,
                     inputs: p.inputs,
                     outputs: p.outputs,
                     rets: p.rets,
                     rng_consumed: p.rng_consumed,
                     bucketed: false,
-                    quick: None,
                 }),
             );
         }
@@ -1558,7 +1604,7 @@ fn execute(
     }
     let mut bufs: Vec<Arc<pjrt::Buffer>> = Vec::with_capacity(prog.inputs.len());
     // Host inputs go to the program's device, also when they come before any device input.
-    let device = prog.exe.device();
+    let device = prog.device;
     admit_outputs(&prog.outputs, device)?;
     for inp in &prog.inputs {
         match inp {
@@ -1601,7 +1647,7 @@ fn execute(
     let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
     let traced = crate::trace::queued();
     let start = crate::trace::now();
-    let outs = prog.exe.execute(&refs)?;
+    let outs = prog.exe()?.execute(&refs)?;
     rt.metrics
         .executions
         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

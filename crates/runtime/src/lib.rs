@@ -447,19 +447,6 @@ impl Runtime {
             .map(|(exe, _)| exe)
     }
 
-    /// A per-op program: compiled quickly (see `tiers`) unless its optimized version is on
-    /// disk. Returns it and whether it is the quick one.
-    pub(crate) fn compile_op(&self, mlir: &str, device: usize) -> Result<(pjrt::Executable, bool)> {
-        let custom = options::current();
-        self.compile_opts(
-            mlir,
-            device,
-            false,
-            custom.as_deref(),
-            tiers::quick_enabled(),
-        )
-    }
-
     /// Compiles with explicit custom options; `quick`: the optimized program if the disk
     /// cache has it, else a quick one. Returns the executable and whether it is quick.
     pub(crate) fn compile_opts(

@@ -64,94 +64,133 @@ fn lower_priority() {}
 #[derive(Default)]
 struct State {
     queue: VecDeque<Task>,
-    busy: bool,
+    busy: usize,
     started: bool,
     closed: bool,
 }
 
+/// A queue of compilations and the threads that run them.
 struct Pool {
+    name: &'static str,
+    threads: usize,
+    low_priority: bool,
     state: Mutex<State>,
     changed: Condvar,
-}
-
-fn pool() -> &'static Pool {
-    static POOL: OnceLock<Pool> = OnceLock::new();
-    POOL.get_or_init(|| Pool {
-        state: Mutex::new(State::default()),
-        changed: Condvar::new(),
-    })
 }
 
 fn lock(p: &Pool) -> MutexGuard<'_, State> {
     p.state.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Queues `f` on the background compilation thread (started on first use, at low
-/// priority so that it takes the cores the program's own work leaves). Dropped after
-/// `shutdown`.
-pub fn background(f: impl FnOnce() + Send + 'static) {
-    let p = pool();
-    let mut st = lock(p);
-    if st.closed {
-        return;
-    }
-    st.queue.push_back(Box::new(f));
-    if !st.started {
-        st.started = true;
-        let spawned = std::thread::Builder::new()
-            .name("torch_pjrt-compile".into())
-            .spawn(run);
-        if spawned.is_err() {
-            // No thread: the quick programs stay, which work.
-            st.queue.clear();
-            st.closed = true;
+impl Pool {
+    const fn new(name: &'static str, threads: usize, low_priority: bool) -> Pool {
+        Pool {
+            name,
+            threads,
+            low_priority,
+            state: Mutex::new(State {
+                queue: VecDeque::new(),
+                busy: 0,
+                started: false,
+                closed: false,
+            }),
+            changed: Condvar::new(),
         }
     }
-    p.changed.notify_all();
+
+    fn submit(&'static self, f: Task) {
+        let mut st = lock(self);
+        if st.closed {
+            return;
+        }
+        st.queue.push_back(f);
+        if !st.started {
+            st.started = true;
+            let n = if self.threads == 0 {
+                std::thread::available_parallelism().map_or(2, |n| n.get().min(4))
+            } else {
+                self.threads
+            };
+            for _ in 0..n {
+                let spawned = std::thread::Builder::new()
+                    .name(self.name.into())
+                    .spawn(move || self.run());
+                if spawned.is_err() {
+                    break;
+                }
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    fn run(&self) {
+        if self.low_priority {
+            lower_priority();
+        }
+        let mut st = lock(self);
+        loop {
+            if st.closed {
+                return;
+            }
+            let Some(task) = st.queue.pop_front() else {
+                st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+                continue;
+            };
+            st.busy += 1;
+            drop(st);
+            task();
+            st = lock(self);
+            st.busy -= 1;
+            self.changed.notify_all();
+        }
+    }
+
+    fn wait_idle(&self) {
+        let mut st = lock(self);
+        while !st.closed && (st.busy > 0 || !st.queue.is_empty()) {
+            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// Drops what is queued and waits for the compilations in flight.
+    fn shutdown(&self) {
+        let mut st = lock(self);
+        st.closed = true;
+        st.queue.clear();
+        self.changed.notify_all();
+        while st.busy > 0 {
+            st = self.changed.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
 }
 
-fn run() {
-    lower_priority();
-    let p = pool();
-    loop {
-        let task = {
-            let mut st = lock(p);
-            st.busy = false;
-            p.changed.notify_all();
-            loop {
-                if st.closed {
-                    return;
-                }
-                if let Some(t) = st.queue.pop_front() {
-                    st.busy = true;
-                    break t;
-                }
-                st = p.changed.wait(st).unwrap_or_else(|e| e.into_inner());
-            }
-        };
-        task();
-    }
+/// Strict mode's compilations of new per-op programs: Python goes on queueing ops while
+/// they compile, several at once where cores allow (up to four threads).
+static COMPILE: Pool = Pool::new("torch_pjrt-compile", 0, false);
+/// Optimized versions and exact programs nobody waits for: one low-priority thread.
+static BACKGROUND: Pool = Pool::new("torch_pjrt-optimize", 1, true);
+
+/// Queues a compilation a queued op waits for.
+pub fn compile(f: impl FnOnce() + Send + 'static) {
+    COMPILE.submit(Box::new(f));
+}
+
+/// Queues `f` on the background thread (low priority: it takes the cores the program's
+/// own work leaves). Dropped after `shutdown`.
+pub fn background(f: impl FnOnce() + Send + 'static) {
+    BACKGROUND.submit(Box::new(f));
 }
 
 /// Waits until every queued compilation is done (benchmarks measuring the steady state,
 /// tests counting programs).
 pub fn wait_idle() {
-    let p = pool();
-    let mut st = lock(p);
-    while !st.closed && (st.busy || !st.queue.is_empty()) {
-        st = p.changed.wait(st).unwrap_or_else(|e| e.into_inner());
-    }
+    COMPILE.wait_idle();
+    BACKGROUND.wait_idle();
 }
 
-/// At exit: drops what is queued and waits for the compilation in flight, which must not
-/// outlive the PJRT client.
+/// At exit: drops queued background compilations and waits for those in flight, which
+/// must not outlive the PJRT client. Foreground compilations are waited for by their jobs.
 pub fn shutdown() {
-    let p = pool();
-    let mut st = lock(p);
-    st.closed = true;
-    st.queue.clear();
-    p.changed.notify_all();
-    while st.busy {
-        st = p.changed.wait(st).unwrap_or_else(|e| e.into_inner());
-    }
+    BACKGROUND.shutdown();
+    COMPILE.wait_idle();
 }

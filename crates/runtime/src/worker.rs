@@ -141,7 +141,7 @@ impl Job {
     /// The device its program runs on (None for markers and waits).
     fn device(&self) -> Option<usize> {
         match &self.work {
-            Work::Op(p) => Some(p.exe.device()),
+            Work::Op(p) => Some(p.device),
             Work::Graph { exe, .. } => Some(exe.device()),
             Work::Upload { device, .. } => Some(*device),
             Work::Mark(_) | Work::Wait(_) => None,
@@ -436,7 +436,10 @@ impl Worker {
         let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
         let mut donated = Vec::new();
         let outs = match &job.work {
-            Work::Op(p) => p.exe.execute(&refs),
+            Work::Op(p) => match p.exe() {
+                Ok(exe) => exe.execute(&refs),
+                Err(e) => return Err(e),
+            },
             Work::Mark(_) | Work::Wait(_) | Work::Upload { .. } => unreachable!("handled above"),
             Work::Graph {
                 exe,
