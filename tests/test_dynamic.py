@@ -13,6 +13,13 @@ import torch_pjrt
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
 
 
+# Bucketed programs are per-op programs: Strict and Debug (DeferAndFuse compiles graphs).
+per_op = pytest.mark.skipif(
+    torch.tpu.eager_mode == torch.tpu.EagerMode.DEFER_AND_FUSE,
+    reason="DeferAndFuse compiles one program per graph and shape; buckets serve per-op programs",
+)
+
+
 @pytest.fixture(autouse=True)
 def buckets():
     was = torch_pjrt.set_shape_buckets(True)
@@ -72,6 +79,7 @@ def test_sizes_of_one_bucket_match_cpu(name):
         torch.testing.assert_close(got.double(), want.double(), atol=1e-4, rtol=1e-4)
 
 
+@per_op
 def test_no_compilation_inside_a_bucket():
     torch.manual_seed(0)
     for n in (40, 33):  # first exact, then the bucket 64's program
@@ -90,6 +98,7 @@ def test_no_compilation_inside_a_bucket():
     assert hits["aten::_softmax"] >= 28 and hits["aten::mm"] >= 28
 
 
+@per_op
 def test_programs_grow_with_buckets_not_sizes():
     torch_pjrt.reset_metrics()
     torch.manual_seed(1)
@@ -119,6 +128,8 @@ def test_generation_with_a_growing_cache_matches_cpu():
     torch_pjrt.reset_metrics()
     assert torch.equal(mt.generate(ids2.to("tpu"), 20).cpu(), m.generate(ids2, 20))
     m2 = torch_pjrt.metrics()
+    if torch.tpu.eager_mode == torch.tpu.EagerMode.DEFER_AND_FUSE:
+        return  # the tokens matched; programs are per graph there
     assert m2["new_shapes_served"] > 0
     # The decode steps reuse the first call's programs; prefill at a new length still
     # compiles the ops that were not yet seen changing (#18: not yet "nothing new").
@@ -126,6 +137,7 @@ def test_generation_with_a_growing_cache_matches_cpu():
     assert built[1] < built[0], built
 
 
+@per_op
 def test_off_compiles_every_shape():
     torch_pjrt.set_shape_buckets(False)
     torch_pjrt.reset_metrics()

@@ -530,7 +530,10 @@ impl Runtime {
                         src.host(b, *path, tensor_at(params, *path), *dtype)?
                     }
                     Input::Rng { .. } => src.rng_param(b, frag.rng_consumed)?,
-                    Input::Staged { .. } | Input::Size { .. } => {
+                    Input::Staged { .. }
+                    | Input::Size { .. }
+                    | Input::Packed { .. }
+                    | Input::ViewInt { .. } => {
                         unreachable!("fragments are planned at exact shapes")
                     }
                 });

@@ -125,6 +125,24 @@ pub(crate) enum Input {
         path: Path,
         dim: usize,
     },
+    /// A staged tensor's storage as the packed buffer (of `dims`) a bucketed program wrote.
+    Packed {
+        path: Path,
+        dtype: DType,
+        dims: Vec<i64>,
+    },
+    /// A staged tensor's view offset (`dim` None) or the stride of `dim`, as i64.
+    ViewInt {
+        path: Path,
+        dim: Option<usize>,
+    },
+}
+
+/// The dims of the packed buffer a staged tensor's storage holds (or will), when the
+/// program can read its view from it directly.
+fn packed_source(t: &TensorRef) -> Option<Vec<i64>> {
+    let (dt, dims) = t.storage()?.packed_dims()?;
+    (Some(dt) == t.dtype).then_some(dims)
 }
 
 #[derive(Clone)]
@@ -168,6 +186,8 @@ pub struct Program {
     rng_consumed: u64,
     /// Serves a range of sizes: staged inputs, results packed in padded buffers.
     pub(crate) bucketed: bool,
+    /// The shape of each result (a bucketed program's are padded).
+    result_dims: Vec<Vec<i64>>,
 }
 
 impl Program {
@@ -190,6 +210,7 @@ impl Program {
             rets: self.rets.clone(),
             rng_consumed: self.rng_consumed,
             bucketed: self.bucketed,
+            result_dims: self.result_dims.clone(),
         }
     }
 
@@ -317,6 +338,11 @@ pub(crate) fn key_with(
                             num(k, dims.len() as i64);
                             for (d, s) in dims.iter().zip(&t.view.sizes) {
                                 num(k, d.map_or(*s, |b| -b));
+                            }
+                            // Read in the program from a packed buffer, or staged on the host.
+                            match packed_source(t) {
+                                Some(pd) => ints(k, &pd),
+                                None => k.push(b'h'),
                             }
                         }
                         None => k.push(b'x'),
@@ -1075,13 +1101,47 @@ impl Sources for ProgramInputs<'_> {
         let dims = st.staged.get(&path)?;
         let padded = st.padded(path, t)?;
         let dtype = t.dtype?;
-        self.inputs.push(Input::Staged {
-            path,
-            dtype,
-            padded: padded.clone(),
-        });
         let ty = TensorType::new(dtype, &padded);
-        let mut v = b.param(ty.clone());
+        let mut v = match packed_source(t) {
+            Some(pd) => {
+                // The view read on the device: element `i` of the padded view is
+                // flat[offset + sum(i_k * stride_k)], offset and strides given at run time.
+                self.inputs.push(Input::Packed {
+                    path,
+                    dtype,
+                    dims: pd.clone(),
+                });
+                let cap: i64 = pd.iter().product();
+                let buf = b.param(TensorType::new(dtype, &pd));
+                let flat = b.reshape(buf, &[cap]);
+                self.inputs.push(Input::ViewInt { path, dim: None });
+                let off = b.param(TensorType::scalar(DType::I64));
+                let mut idx = b.broadcast_in_dim(off, &padded, &[]);
+                for (k, n) in padded.iter().enumerate() {
+                    if *n > 1 {
+                        self.inputs.push(Input::ViewInt { path, dim: Some(k) });
+                        let s = b.param(TensorType::scalar(DType::I64));
+                        let s = b.broadcast_in_dim(s, &padded, &[]);
+                        let io = b.iota(DType::I64, &padded, k);
+                        let term = b.mul(io, s);
+                        idx = b.add(idx, term);
+                    }
+                }
+                // Padding positions may point past the buffer: any element will do there.
+                let lo = b.full(DType::I64, &padded, 0.0);
+                let hi = b.full(DType::I64, &padded, (cap - 1) as f64);
+                let idx = b.clamp(lo, idx, hi);
+                crate::layout::gather_flat(b, flat, idx, &padded)
+            }
+            None => {
+                self.inputs.push(Input::Staged {
+                    path,
+                    dtype,
+                    padded: padded.clone(),
+                });
+                b.param(ty.clone())
+            }
+        };
         for (d, bk) in dims.iter().enumerate() {
             if bk.is_some() {
                 self.inputs.push(Input::Size { path, dim: d });
@@ -1127,6 +1187,8 @@ impl Sources for ProgramInputs<'_> {
 pub(crate) struct Planned {
     pub b: Builder,
     pub results: Vec<Value>,
+    /// The shape of each result (a bucketed program's are padded).
+    pub result_dims: Vec<Vec<i64>>,
     pub inputs: Vec<Input>,
     pub outputs: Vec<Output>,
     pub rets: Vec<RetShape>,
@@ -1137,6 +1199,17 @@ pub(crate) enum Plan {
     Done(Planned),
     Declined(String),
     Resize(Vec<(usize, Vec<i64>)>),
+}
+
+/// A bucketed program's result as a static flat array, its real elements packed at the
+/// front: flattening a dynamic array packs it (row-major order of its real shape), and a
+/// gather at static indices makes the result static (a dynamic result's buffer carries
+/// XLA's size metadata, which a parameter of the next program cannot take).
+fn packed_result(b: &mut Builder, v: Value) -> Value {
+    let n = b.ty(v).numel();
+    let flat = b.reshape(v, &[n]);
+    let idx = b.iota(DType::I64, &[n], 0);
+    crate::layout::gather_flat(b, flat, idx, &[n])
 }
 
 pub(crate) fn plan(
@@ -1174,9 +1247,8 @@ pub(crate) fn plan_with(
     let mut outputs = Vec::new();
     for v in &low.new {
         let ty = b.ty(*v).clone();
-        // A dynamic result stays whole: XLA packs it at the front of its buffer.
         results.push(if staging.is_some() {
-            *v
+            packed_result(&mut b, *v)
         } else {
             b.reshape(*v, &[ty.numel()])
         });
@@ -1186,7 +1258,11 @@ pub(crate) fn plan_with(
         });
     }
     for (path, dtype, v) in &low.writes {
-        results.push(*v);
+        results.push(if staging.is_some() {
+            packed_result(&mut b, *v)
+        } else {
+            *v
+        });
         outputs.push(Output::Write {
             path: *path,
             dtype: *dtype,
@@ -1200,6 +1276,7 @@ pub(crate) fn plan_with(
         });
     }
     Ok(Plan::Done(Planned {
+        result_dims: results.iter().map(|v| b.shape(*v)).collect(),
         b,
         results,
         inputs: src.inputs,
@@ -1244,6 +1321,7 @@ fn build(
         rets: p.rets,
         rng_consumed: p.rng_consumed,
         bucketed: staging.is_some(),
+        result_dims: p.result_dims,
     };
     let custom = crate::options::current();
     let compile = move |rt: &Runtime| -> Result<Compiled> {
@@ -1368,11 +1446,25 @@ fn exact_in_background(
                     rets: p.rets,
                     rng_consumed: p.rng_consumed,
                     bucketed: false,
+                    result_dims: p.result_dims,
                 }),
             );
         }
     });
     Ok(())
+}
+
+/// Result `i` of a queued bucketed program stays packed in its buffer (of these dims) for
+/// the next bucketed op to read on the device; a permuted out= target is laid out on the
+/// host instead.
+fn keep_packed(prog: &Program, packed: &[crate::buckets::Packed], i: usize) -> Option<Vec<i64>> {
+    let p = packed.get(i)?;
+    p.1.is_none().then(|| prog.result_dims[i].clone())
+}
+
+/// A view's offset (`dim` None) or the stride of `dim`.
+fn view_int(v: &View, dim: Option<usize>) -> i64 {
+    dim.map_or(v.offset, |d| v.strides[d])
 }
 
 /// Elements of each result of a bucketed program (new tensors, then targets) once packed.
@@ -1509,6 +1601,23 @@ fn execute_async(
                     device,
                 )?));
             }
+            Input::Packed { path, dtype, dims } => {
+                let Loc::Device(p) = tensor_at(params, *path).loc else {
+                    unreachable!("packed input on the host")
+                };
+                // SAFETY: the shim holds the tensor alive during the call.
+                let s = unsafe { Storage::share(p) };
+                inputs.push(JobIn::Packed(s, *dtype, dims.clone()));
+            }
+            Input::ViewInt { path, dim } => {
+                let v = view_int(&tensor_at(params, *path).view, *dim);
+                inputs.push(JobIn::Buf(rt.upload_input(
+                    &v.to_le_bytes(),
+                    DType::I64,
+                    &[],
+                    device,
+                )?));
+            }
             Input::Storage { path, dtype } => {
                 let t = tensor_at(params, *path);
                 let Loc::Device(p) = t.loc else {
@@ -1560,6 +1669,9 @@ fn execute_async(
                     let n: i64 = sizes.iter().product();
                     let s = Arc::new(Storage::new(n * dtype.size() as i64, device));
                     s.mark_pending(seq);
+                    if let Some(dims) = keep_packed(prog, &packed, outputs.len()) {
+                        s.will_pack(*dtype, dims);
+                    }
                     outputs.push((s.clone(), *dtype));
                     new.push(Ret::Tensor {
                         handle: Arc::into_raw(s) as *mut Storage,
@@ -1573,6 +1685,9 @@ fn execute_async(
                         // SAFETY: the shim holds the tensor alive during the call.
                         let s = unsafe { Storage::share(p) };
                         s.mark_pending(seq);
+                        if let Some(dims) = keep_packed(prog, &packed, outputs.len()) {
+                            s.will_pack(*dtype, dims);
+                        }
                         outputs.push((s, *dtype));
                     }
                 }
@@ -1641,6 +1756,14 @@ fn execute(
             Input::Size { path, dim } => {
                 let n = tensor_at(params, *path).view.sizes[*dim] as i32;
                 bufs.push(rt.upload_input(&n.to_le_bytes(), DType::I32, &[], device)?);
+            }
+            Input::Packed { path, dtype, dims } => {
+                let s = tensor_at(params, *path).storage().expect("device tensor");
+                bufs.push(crate::buckets::packed_input(rt, s, *dtype, dims)?);
+            }
+            Input::ViewInt { path, dim } => {
+                let v = view_int(&tensor_at(params, *path).view, *dim);
+                bufs.push(rt.upload_input(&v.to_le_bytes(), DType::I64, &[], device)?);
             }
         }
     }

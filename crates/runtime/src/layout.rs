@@ -134,6 +134,21 @@ fn linear_indices(b: &mut Builder, view: &View) -> Value {
     b.reshape(acc, &[view.numel(), 1])
 }
 
+/// `flat[idx]` for an i64 index array `idx` of shape `sizes`.
+pub fn gather_flat(b: &mut Builder, flat: Value, idx: Value, sizes: &[i64]) -> Value {
+    let n: i64 = sizes.iter().product();
+    let idx = b.reshape(idx, &[n, 1]);
+    let dtype = b.dtype(flat);
+    let attrs = "dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, slice_sizes = array<i64: 1>, indices_are_sorted = false";
+    let g = b.op(
+        "stablehlo.gather",
+        &[flat, idx],
+        attrs,
+        TensorType::new(dtype, &[n]),
+    );
+    b.reshape(g, sizes)
+}
+
 fn gather_read(b: &mut Builder, flat: Value, view: &View) -> Value {
     let idx = linear_indices(b, view);
     let dtype = b.dtype(flat);

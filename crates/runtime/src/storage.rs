@@ -46,6 +46,13 @@ struct Inner {
     buf: Option<(Arc<pjrt::Buffer>, DType)>,
     /// The failure of the async op that should have written it.
     poison: Option<Error>,
+    /// `buf` is a bucketed program's result: more elements than the storage, its own
+    /// ones packed at the front (see `buckets`). Readers other than bucketed programs
+    /// get it compacted (`buffer_now`, `current`).
+    packed: bool,
+    /// Dtype and dims of the packed buffer it holds or a queued bucketed program will write
+    /// (None: exact). Set when that program is queued, so that the next op's key can name it.
+    packed_dims: Option<(DType, Vec<i64>)>,
 }
 
 fn next_id() -> u64 {
@@ -72,6 +79,8 @@ impl Storage {
                 nbytes,
                 buf: None,
                 poison: None,
+                packed: false,
+                packed_dims: None,
             }),
             lazy: AtomicBool::new(false),
             pending: AtomicU64::new(0),
@@ -89,6 +98,8 @@ impl Storage {
                 nbytes: n,
                 buf: Some((buf, dtype)),
                 poison: None,
+                packed: false,
+                packed_dims: None,
             }),
             lazy: AtomicBool::new(false),
             pending: AtomicU64::new(0),
@@ -167,12 +178,53 @@ impl Storage {
 
     /// The worker's job `seq` produced the value.
     pub(crate) fn fill(&self, seq: u64, buf: Arc<pjrt::Buffer>, dtype: DType) {
+        self.fill_as(seq, buf, dtype, false);
+    }
+
+    /// `fill` with a bucketed program's packed result (see `Inner::packed`).
+    pub(crate) fn fill_as(&self, seq: u64, buf: Arc<pjrt::Buffer>, dtype: DType, packed: bool) {
         {
             let mut g = self.lock();
             g.buf = Some((buf, dtype));
             g.poison = None;
+            g.packed = packed;
+            if !packed {
+                g.packed_dims = None;
+            }
         }
         self.unpend(seq);
+    }
+
+    /// A queued bucketed program will write a packed buffer of `dtype` and `dims`.
+    pub(crate) fn will_pack(&self, dtype: DType, dims: Vec<i64>) {
+        self.lock().packed_dims = Some((dtype, dims));
+    }
+
+    /// Dtype and dims of its packed buffer (held or coming), None if exact.
+    pub(crate) fn packed_dims(&self) -> Option<(DType, Vec<i64>)> {
+        self.lock().packed_dims.clone()
+    }
+
+    /// The worker's packed buffer, if it still holds one of `dims` and `dtype`.
+    pub(crate) fn packed_now(&self, dtype: DType, dims: &[i64]) -> Option<Arc<pjrt::Buffer>> {
+        let g = self.lock();
+        match &g.buf {
+            Some((b, d)) if g.packed && *d == dtype && b.dims() == dims => Some(b.clone()),
+            _ => None,
+        }
+    }
+
+    /// Replaces a packed buffer by its first `nbytes`, as a flat buffer of its own.
+    fn unpack(&self, rt: &Runtime, g: &mut Inner) -> Result<()> {
+        let Some((b, d)) = g.buf.clone().filter(|_| g.packed) else {
+            return Ok(());
+        };
+        let elems = g.nbytes / d.size() as i64;
+        let exact = crate::buckets::compact(rt, &b, d, &(elems, None))?;
+        g.buf = Some((exact, d));
+        g.packed = false;
+        g.packed_dims = None;
+        Ok(())
     }
 
     /// The worker's job `seq` failed: readers get its error instead of a value.
@@ -236,6 +288,8 @@ impl Storage {
             let mut g = self.lock();
             g.buf = Some((buf, dtype));
             g.poison = None;
+            g.packed = false;
+            g.packed_dims = None;
         }
         self.lazy.store(false, Ordering::Release);
     }
@@ -264,7 +318,9 @@ impl Storage {
     /// The buffer and its dtype, if written.
     pub fn current(&self) -> Result<Option<(Arc<pjrt::Buffer>, DType)>> {
         self.settle()?;
-        Ok(self.lock().buf.clone())
+        let mut g = self.lock();
+        self.unpack(crate::get()?, &mut g)?;
+        Ok(g.buf.clone())
     }
 
     /// The flat buffer viewed as `dtype`: re-typed through the host if the storage holds
@@ -277,6 +333,7 @@ impl Storage {
     /// `buffer_as` for the worker, whose queue order already settled the value.
     pub(crate) fn buffer_now(&self, rt: &Runtime, dtype: DType) -> Result<Arc<pjrt::Buffer>> {
         let mut g = self.lock();
+        self.unpack(rt, &mut g)?;
         if let Some((b, d)) = &g.buf {
             if *d == dtype {
                 return Ok(b.clone());
@@ -306,6 +363,8 @@ impl Storage {
         self.before_write()?;
         let mut g = self.lock();
         g.buf = Some((buf, dtype));
+        g.packed = false;
+        g.packed_dims = None;
         Ok(())
     }
 
@@ -336,6 +395,8 @@ impl Storage {
         self.resized(g.nbytes, n);
         g.nbytes = n;
         g.buf = Some((buf, DType::U8));
+        g.packed = false;
+        g.packed_dims = None;
         Ok(())
     }
 

@@ -33,6 +33,8 @@ pub(crate) enum JobIn {
     /// A staged input of a bucketed program: the storage's view, laid out in the padded
     /// dims when the job runs (see `buckets::stage`).
     Staged(Arc<Storage>, DType, crate::layout::View, Vec<i64>),
+    /// The packed buffer (of these dims) a bucketed program left in a storage.
+    Packed(Arc<Storage>, DType, Vec<i64>),
 }
 
 /// Host memory a queued upload reads; the owner (the shim's reference to the CPU tensor)
@@ -227,7 +229,7 @@ impl Worker {
         let prev = crate::storage::collect_marks(|| make(seq));
         let (mut job, mut deps) = prev;
         for i in &job.inputs {
-            if let JobIn::Storage(s, _) | JobIn::Staged(s, ..) = i {
+            if let JobIn::Storage(s, _) | JobIn::Staged(s, ..) | JobIn::Packed(s, ..) = i {
                 deps.push(s.pending_seq());
             }
         }
@@ -431,6 +433,12 @@ impl Worker {
                     crate::buckets::stage(rt, &whole, *dt, view, padded)
                         .map_err(|e| failed(e.msg))?
                 }
+                JobIn::Packed(s, dt, dims) => {
+                    if let Some(e) = s.poisoned() {
+                        return Err(e);
+                    }
+                    crate::buckets::packed_input(rt, s, *dt, dims).map_err(|e| failed(e.msg))?
+                }
             });
         }
         let refs: Vec<&pjrt::Buffer> = bufs.iter().map(|b| b.as_ref()).collect();
@@ -503,15 +511,21 @@ impl Worker {
             self.check_failed(seq, job, e);
             return Ok(());
         }
+        // A bucketed program's results stay packed (read on the device by the next one)
+        // unless a permuted target needs them laid out.
         let mut filled = Vec::with_capacity(job.outputs.len());
         for (i, ((_, dt), b)) in job.outputs.iter().zip(outs).enumerate() {
             filled.push(match job.packed.get(i) {
-                Some(p) => crate::buckets::compact(rt, &b, *dt, p).map_err(|e| failed(e.msg))?,
-                None => b,
+                Some(p @ (_, Some(_))) => (
+                    crate::buckets::compact(rt, &b, *dt, p).map_err(|e| failed(e.msg))?,
+                    false,
+                ),
+                Some((_, None)) => (b, true),
+                None => (b, false),
             });
         }
-        for ((s, dt), b) in job.outputs.iter().zip(filled) {
-            s.fill(seq, b, *dt);
+        for ((s, dt), (b, packed)) in job.outputs.iter().zip(filled) {
+            s.fill_as(seq, b, *dt, packed);
         }
         Ok(())
     }
