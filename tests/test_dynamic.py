@@ -27,6 +27,12 @@ def buckets():
     torch_pjrt.set_shape_buckets(was)
 
 
+def reset():
+    """Metrics from here on: earlier tests' background compilations finished first."""
+    torch_pjrt.wait_background()
+    torch_pjrt.reset_metrics()
+
+
 def _idx(t):
     return torch.arange(t.shape[0], device=t.device).flip(0)
 
@@ -85,7 +91,7 @@ def test_no_compilation_inside_a_bucket():
     for n in (40, 33):  # first exact, then the bucket 64's program
         x = torch.randn(n, 8).to("tpu")
         ((x * 2).softmax(0) @ x.T).cpu()
-    torch_pjrt.reset_metrics()
+    reset()
     for n in range(34, 64):
         x = torch.randn(n, 8)
         got = ((x.to("tpu") * 2).softmax(0) @ x.to("tpu").T).cpu()
@@ -100,7 +106,7 @@ def test_no_compilation_inside_a_bucket():
 
 @per_op
 def test_programs_grow_with_buckets_not_sizes():
-    torch_pjrt.reset_metrics()
+    reset()
     torch.manual_seed(1)
     for n in range(70, 200, 3):  # buckets 128 and 256
         x = torch.randn(3, n)
@@ -119,13 +125,13 @@ def test_generation_with_a_growing_cache_matches_cpu():
     mt = Llama().eval()
     mt.load_state_dict(m.state_dict())
     mt = mt.to("tpu")
-    torch_pjrt.reset_metrics()
+    reset()
     got = mt.generate(ids.to("tpu"), 40).cpu()
     assert torch.equal(got, want)
     m1 = torch_pjrt.metrics()
     # Another prompt length: bucketed programs serve it.
     ids2 = torch.randint(0, 256, (1, 21))
-    torch_pjrt.reset_metrics()
+    reset()
     assert torch.equal(mt.generate(ids2.to("tpu"), 20).cpu(), m.generate(ids2, 20))
     m2 = torch_pjrt.metrics()
     if torch.tpu.eager_mode == torch.tpu.EagerMode.DEFER_AND_FUSE:
@@ -140,7 +146,7 @@ def test_generation_with_a_growing_cache_matches_cpu():
 @per_op
 def test_off_compiles_every_shape():
     torch_pjrt.set_shape_buckets(False)
-    torch_pjrt.reset_metrics()
+    reset()
     for n in (101, 102, 103):
         (torch.randn(n, 5).to("tpu") * 7).cpu()
     m = torch_pjrt.metrics()

@@ -34,6 +34,7 @@ __all__ = [
     "clear_cache",
     "set_cache_dir",
     "set_shape_buckets",
+    "wait_background",
 ]
 
 
@@ -211,6 +212,14 @@ def set_shape_buckets(on=True):
     was = _C.shape_buckets()
     _C.set_shape_buckets(bool(on))
     return was
+
+
+def wait_background():
+    """Waits for the compilations running in the background: optimized versions of programs
+    that became hot, exact programs of shapes a bucketed program kept serving (see
+    ``metrics()["background_compilations"]``). Benchmarks call it before measuring the
+    steady state."""
+    _C.wait_background()
 
 
 def lowered_ops():

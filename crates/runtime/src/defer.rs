@@ -533,7 +533,8 @@ impl Runtime {
                     Input::Staged { .. }
                     | Input::Size { .. }
                     | Input::Packed { .. }
-                    | Input::ViewInt { .. } => {
+                    | Input::ViewInt { .. }
+                    | Input::ResultSize { .. } => {
                         unreachable!("fragments are planned at exact shapes")
                     }
                 });

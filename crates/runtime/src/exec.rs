@@ -136,6 +136,11 @@ pub(crate) enum Input {
         path: Path,
         dim: Option<usize>,
     },
+    /// The real size of dim `dim` of the program's result `result`, as i64.
+    ResultSize {
+        result: usize,
+        dim: usize,
+    },
 }
 
 /// The dims of the packed buffer a staged tensor's storage holds (or will), when the
@@ -1160,6 +1165,7 @@ impl Sources for ProgramInputs<'_> {
     fn whole_targets(&self) -> bool {
         self.staging.is_some()
     }
+
     fn storage(
         &mut self,
         b: &mut Builder,
@@ -1179,6 +1185,18 @@ impl Sources for ProgramInputs<'_> {
         self.inputs.push(Input::Rng { path: gen });
         self.rng_consumed = consumed;
         Ok(())
+    }
+}
+
+impl ProgramInputs<'_> {
+    /// Parameters for the real sizes of result `result` (of `rank` dims).
+    fn result_sizes(&mut self, b: &mut Builder, result: usize, rank: usize) -> Vec<Value> {
+        (0..rank)
+            .map(|dim| {
+                self.inputs.push(Input::ResultSize { result, dim });
+                b.param(TensorType::scalar(DType::I64))
+            })
+            .collect()
     }
 }
 
@@ -1202,14 +1220,54 @@ pub(crate) enum Plan {
 }
 
 /// A bucketed program's result as a static flat array, its real elements packed at the
-/// front: flattening a dynamic array packs it (row-major order of its real shape), and a
-/// gather at static indices makes the result static (a dynamic result's buffer carries
-/// XLA's size metadata, which a parameter of the next program cannot take).
-fn packed_result(b: &mut Builder, v: Value) -> Value {
-    let n = b.ty(v).numel();
-    let flat = b.reshape(v, &[n]);
-    let idx = b.iota(DType::I64, &[n], 0);
-    crate::layout::gather_flat(b, flat, idx, &[n])
+/// front in row-major order of its real shape: element `f` is read at the index `f` has in
+/// the real shape, whose sizes (`real`, i64 scalars) the call passes. A gather at computed
+/// indices has a static result: a dynamic result's buffer would carry XLA's size metadata,
+/// which a parameter of the next program cannot take, and flattening the dynamic array
+/// instead makes XLA sort it.
+fn packed_result(b: &mut Builder, v: Value, real: &[Value]) -> Value {
+    let shape = b.shape(v);
+    if shape.is_empty() {
+        return b.reshape(v, &[1]);
+    }
+    let n: i64 = shape.iter().product();
+    let f = b.iota(DType::I64, &[n], 0);
+    let mut stride = b.full(DType::I64, &[n], 1.0);
+    let mut cols = vec![None; shape.len()];
+    for d in (0..shape.len()).rev() {
+        let size = b.broadcast_in_dim(real[d], &[n], &[]);
+        let ty = TensorType::new(DType::I64, &[n]);
+        let q = b.op("stablehlo.divide", &[f, stride], "", ty.clone());
+        let i = b.op("stablehlo.remainder", &[q, size], "", ty);
+        cols[d] = Some(b.reshape(i, &[n, 1]));
+        stride = b.mul(stride, size);
+    }
+    let cols: Vec<Value> = cols.into_iter().map(|c| c.expect("every dim")).collect();
+    let rank = shape.len() as i64;
+    let idx = if cols.len() == 1 {
+        cols[0]
+    } else {
+        b.op(
+            "stablehlo.concatenate",
+            &cols,
+            "dimension = 1 : i64",
+            TensorType::new(DType::I64, &[n, rank]),
+        )
+    };
+    let dims: Vec<String> = (0..rank).map(|d| d.to_string()).collect();
+    let ones: Vec<&str> = vec!["1"; shape.len()];
+    let attrs = format!(
+        "dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [{0}], start_index_map = [{0}], index_vector_dim = 1>, slice_sizes = array<i64: {1}>, indices_are_sorted = false",
+        dims.join(", "),
+        ones.join(", ")
+    );
+    let dtype = b.dtype(v);
+    b.op(
+        "stablehlo.gather",
+        &[v, idx],
+        &attrs,
+        TensorType::new(dtype, &[n]),
+    )
 }
 
 pub(crate) fn plan(
@@ -1248,7 +1306,8 @@ pub(crate) fn plan_with(
     for v in &low.new {
         let ty = b.ty(*v).clone();
         results.push(if staging.is_some() {
-            packed_result(&mut b, *v)
+            let real = src.result_sizes(&mut b, results.len(), ty.shape.len());
+            packed_result(&mut b, *v, &real)
         } else {
             b.reshape(*v, &[ty.numel()])
         });
@@ -1259,7 +1318,9 @@ pub(crate) fn plan_with(
     }
     for (path, dtype, v) in &low.writes {
         results.push(if staging.is_some() {
-            packed_result(&mut b, *v)
+            let rank = b.shape(*v).len();
+            let real = src.result_sizes(&mut b, results.len(), rank);
+            packed_result(&mut b, *v, &real)
         } else {
             *v
         });
@@ -1462,6 +1523,27 @@ fn keep_packed(prog: &Program, packed: &[crate::buckets::Packed], i: usize) -> O
     p.1.is_none().then(|| prog.result_dims[i].clone())
 }
 
+/// The real size of dim `dim` of a bucketed program's result `result`: a new tensor's from
+/// the call's real sizes, a target's from its view.
+fn result_size(
+    prog: &Program,
+    params: &[Param],
+    real: Option<&[Vec<i64>]>,
+    result: usize,
+    dim: usize,
+) -> i64 {
+    match &prog.outputs[result] {
+        Output::Write { path, .. } => tensor_at(params, *path).view.sizes[dim],
+        _ => {
+            let k = prog.outputs[..result]
+                .iter()
+                .filter(|o| matches!(o, Output::New { .. }))
+                .count();
+            real.map_or(1, |r| r[k][dim])
+        }
+    }
+}
+
 /// A view's offset (`dim` None) or the stride of `dim`.
 fn view_int(v: &View, dim: Option<usize>) -> i64 {
     dim.map_or(v.offset, |d| v.strides[d])
@@ -1618,6 +1700,15 @@ fn execute_async(
                     device,
                 )?));
             }
+            Input::ResultSize { result, dim } => {
+                let v = result_size(prog, params, real, *result, *dim);
+                inputs.push(JobIn::Buf(rt.upload_input(
+                    &v.to_le_bytes(),
+                    DType::I64,
+                    &[],
+                    device,
+                )?));
+            }
             Input::Storage { path, dtype } => {
                 let t = tensor_at(params, *path);
                 let Loc::Device(p) = t.loc else {
@@ -1763,6 +1854,10 @@ fn execute(
             }
             Input::ViewInt { path, dim } => {
                 let v = view_int(&tensor_at(params, *path).view, *dim);
+                bufs.push(rt.upload_input(&v.to_le_bytes(), DType::I64, &[], device)?);
+            }
+            Input::ResultSize { result, dim } => {
+                let v = result_size(prog, params, real, *result, *dim);
                 bufs.push(rt.upload_input(&v.to_le_bytes(), DType::I64, &[], device)?);
             }
         }

@@ -476,15 +476,15 @@ impl Runtime {
         let base = custom.map_or(Vec::new(), |c| c.key.clone());
         let key = self.disk.key(mlir, device, &base);
         let t0 = std::time::Instant::now();
+        // Nobody waits for a background compilation: its disk lookups are not counted.
+        let quiet = metrics::Metrics::default();
+        let counted = if background { &quiet } else { &self.metrics };
         // A quick or background compile looks for the optimized program without counting a
         // miss.
         if let Some(exe) = key
             .as_ref()
             .filter(|k| !(quick || background) || self.disk.contains(k))
-            .and_then(|k| {
-                self.disk
-                    .load(&self.client, &self.metrics, k, device, &extra)
-            })
+            .and_then(|k| self.disk.load(&self.client, counted, k, device, &extra))
         {
             trace::note(trace::Source::Loaded(t0.elapsed().as_secs_f64()));
             return Ok((exe, false));
@@ -495,10 +495,10 @@ impl Runtime {
             let mut qk = base.clone();
             qk.extend_from_slice(b"quick");
             key = self.disk.key(mlir, device, &qk);
-            if let Some(exe) = key.as_ref().and_then(|k| {
-                self.disk
-                    .load(&self.client, &self.metrics, k, device, &extra)
-            }) {
+            if let Some(exe) = key
+                .as_ref()
+                .and_then(|k| self.disk.load(&self.client, counted, k, device, &extra))
+            {
                 trace::note(trace::Source::Loaded(t0.elapsed().as_secs_f64()));
                 return Ok((exe, true));
             }
