@@ -184,6 +184,8 @@ pub(crate) struct Compiled {
 /// running on the compile pool (`tiers::compile`): the job waits for it.
 pub struct Program {
     compiled: std::sync::OnceLock<Result<Compiled>>,
+    /// How the compile pool obtained it, for the profiler's record of its first run.
+    pool_source: std::sync::Mutex<Option<crate::trace::Source>>,
     pub(crate) device: usize,
     inputs: Vec<Input>,
     pub(crate) outputs: Vec<Output>,
@@ -205,10 +207,24 @@ impl Program {
         }
     }
 
+    /// A traced run's record: the first run of a program the pool compiled reports how.
+    pub(crate) fn traced(&self, q: crate::trace::Queued) -> crate::trace::Queued {
+        match self
+            .pool_source
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            Some(source) => crate::trace::Queued { source, ..q },
+            None => q,
+        }
+    }
+
     /// A program of the same plan around `compiled`.
     fn with(&self, compiled: Compiled) -> Program {
         Program {
             compiled: std::sync::OnceLock::from(Ok(compiled)),
+            pool_source: Default::default(),
             device: self.device,
             inputs: self.inputs.clone(),
             outputs: self.outputs.clone(),
@@ -1376,6 +1392,7 @@ fn build(
     let what = format!("{op}.{overload} for inputs ({})", shapes.join(", "));
     let prog = Program {
         compiled: std::sync::OnceLock::new(),
+        pool_source: Default::default(),
         device,
         inputs: p.inputs,
         outputs: p.outputs,
@@ -1413,6 +1430,11 @@ fn build(
             crate::get().and_then(compile)
         }))
         .unwrap_or_else(|_| Err(Error::runtime("the XLA compilation of an op panicked")));
+        // The compilation noted on this thread, for the profiler (when it is on).
+        let source = crate::trace::take_source();
+        if source != crate::trace::Source::Hit {
+            *me.pool_source.lock().unwrap_or_else(|e| e.into_inner()) = Some(source);
+        }
         let _ = me.compiled.set(r);
     });
     Ok(Built::Program(prog))
@@ -1501,6 +1523,7 @@ fn exact_in_background(
                 key,
                 Arc::new(Program {
                     compiled: std::sync::OnceLock::from(Ok(Compiled { exe, quick: None })),
+                    pool_source: Default::default(),
                     device,
                     inputs: p.inputs,
                     outputs: p.outputs,

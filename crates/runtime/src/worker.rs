@@ -356,6 +356,11 @@ impl Worker {
                     .iter()
                     .filter_map(|w| w.upgrade())
                     .collect();
+                let q = match &job.work {
+                    // Compiled on the pool: its first run reports the compilation.
+                    Work::Op(p) => p.traced(q),
+                    _ => q,
+                };
                 crate::trace::finish(&job.op, device, self.index, q, start, &outs);
             }
             if let Err(e) = r {
