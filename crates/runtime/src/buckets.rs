@@ -465,9 +465,10 @@ pub(crate) fn pad_size_args(params: &[Param], st: &Staging) -> Option<Vec<Param>
     Some(out)
 }
 
-/// A staged tensor's storage as a packed buffer of `dims` for the program to read its view
-/// from: the one a bucketed program left there, or (when something replaced or compacted
-/// it since the op was queued) its elements copied into a buffer of that shape.
+/// A staged tensor's storage as a buffer of `dims` for the program to read its view from:
+/// the packed one a bucketed program left there, its exact buffer when that has these
+/// dims, or (when something replaced or compacted it since the op was queued) its
+/// elements copied into a buffer of that shape.
 pub(crate) fn packed_input(
     rt: &Runtime,
     s: &crate::storage::Storage,
@@ -478,6 +479,9 @@ pub(crate) fn packed_input(
         return Ok(b);
     }
     let exact = s.buffer_now(rt, dtype)?;
+    if exact.dims() == dims {
+        return Ok(exact);
+    }
     let mut bytes = rt.download(&exact)?;
     bytes.resize(dims.iter().product::<i64>() as usize * dtype.size(), 0);
     Ok(Arc::new(rt.upload(&bytes, dtype, dims, s.device)?))

@@ -143,11 +143,20 @@ pub(crate) enum Input {
     },
 }
 
-/// The dims of the packed buffer a staged tensor's storage holds (or will), when the
-/// program can read its view from it directly.
-fn packed_source(t: &TensorRef) -> Option<Vec<i64>> {
-    let (dt, dims) = t.storage()?.packed_dims()?;
-    (Some(dt) == t.dtype).then_some(dims)
+/// The dims of the buffer a staged tensor's storage holds (or will) when the program can
+/// read its view from it directly: a bucketed program's packed buffer, or, for a tensor
+/// whose sizes do not change (`dynamic` false), its exact flat buffer (the same size at
+/// every call). None: staged on the host.
+fn packed_source(t: &TensorRef, dynamic: bool) -> Option<Vec<i64>> {
+    let s = t.storage()?;
+    match s.packed_dims() {
+        Some((dt, dims)) => (Some(dt) == t.dtype).then_some(dims),
+        None if !dynamic => {
+            let size = t.dtype?.size() as i64;
+            (t.nbytes % size == 0).then(|| vec![t.nbytes / size])
+        }
+        None => None,
+    }
 }
 
 #[derive(Clone)]
@@ -361,7 +370,8 @@ pub(crate) fn key_with(
                                 num(k, d.map_or(*s, |b| -b));
                             }
                             // Read in the program from a packed buffer, or staged on the host.
-                            match packed_source(t) {
+                            let dynamic = dims.iter().any(|d| d.is_some());
+                            match packed_source(t, dynamic) {
                                 Some(pd) => ints(k, &pd),
                                 None => k.push(b'h'),
                             }
@@ -1123,7 +1133,8 @@ impl Sources for ProgramInputs<'_> {
         let padded = st.padded(path, t)?;
         let dtype = t.dtype?;
         let ty = TensorType::new(dtype, &padded);
-        let mut v = match packed_source(t) {
+        let dynamic = dims.iter().any(|d| d.is_some());
+        let mut v = match packed_source(t, dynamic) {
             Some(pd) => {
                 // The view read on the device: element `i` of the padded view is
                 // flat[offset + sum(i_k * stride_k)], offset and strides given at run time.
@@ -1543,7 +1554,9 @@ fn exact_in_background(
 /// host instead.
 fn keep_packed(prog: &Program, packed: &[crate::buckets::Packed], i: usize) -> Option<Vec<i64>> {
     let p = packed.get(i)?;
-    p.1.is_none().then(|| prog.result_dims[i].clone())
+    let dims = &prog.result_dims[i];
+    // Without padding the result is an exact buffer: nothing to mark.
+    (p.1.is_none() && dims.iter().product::<i64>() != p.0).then(|| dims.clone())
 }
 
 /// The real size of dim `dim` of a bucketed program's result `result`: a new tensor's from

@@ -525,7 +525,11 @@ impl Worker {
                     crate::buckets::compact(rt, &b, *dt, p).map_err(|e| failed(e.msg))?,
                     false,
                 ),
-                Some((_, None)) => (b, true),
+                // A result with no padding is an exact buffer already.
+                Some((n, None)) => {
+                    let exact = b.dims().iter().product::<i64>() == *n;
+                    (b, !exact)
+                }
                 None => (b, false),
             });
         }
