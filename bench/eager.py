@@ -21,6 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 import models  # noqa: E402
 
 import torch_pjrt  # noqa: E402
@@ -85,6 +86,7 @@ def measure(make, warmup, reps):
         first[d] = runs[d]()
         for _ in range(warmup):
             runs[d]()
+    harness.settle()
     for _ in range(reps):
         for d in DEVICES:
             times[d].append(runs[d]())

@@ -19,7 +19,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use crate::options::Custom;
 
 /// Runs of a quick program before its optimized version is compiled.
-pub const HOT: u32 = 8;
+pub const HOT: u32 = 2;
 
 /// The option that makes a quick program.
 pub const QUICK: &str = "xla_backend_optimization_level";
