@@ -1,11 +1,13 @@
-"""New shapes without a compile per shape: greedy generation from bench/models.py's
-2-layer Llama-style model with a growing key/value cache, each configuration in a fresh
-process with an empty compilation cache, CPU eager measured alongside.
+"""New shapes without a compile per shape, each configuration in a fresh process with an
+empty compilation cache, CPU eager measured alongside:
 
-    python bench/dynamic.py [--tokens 128] [--runs 1]
+- greedy generation from bench/models.py's 2-layer Llama-style model with a growing
+  key/value cache: the first call's time (compilation included), a second call with a prompt
+  of another length, the compilations of each, the ratio to CPU eager;
+- GPT training (bench/models.py, AdamW, batch 8) for ``--steps`` steps whose sequence length
+  is drawn from 16 to 256 (seeded): total time including every compilation, against CPU eager.
 
-Prints, per configuration, the first call's time (compilation included), a second call with
-a prompt of another length, the compilations of each, and the ratio to CPU eager.
+    python bench/dynamic.py [--tokens 128] [--steps 1000] [--runs 1]   # 0 skips a part
 """
 
 import argparse
@@ -45,14 +47,50 @@ print(json.dumps(dict(first=f, second=s, first_compiles=fc, second_compiles=sc))
 """
 
 
+TRAIN = r"""
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+from models import GPT
+steps, where = int(sys.argv[2]), sys.argv[3]
+torch.manual_seed(0)
+model = GPT(256, seq_len=256)
+dev = "cpu"
+if where != "cpu":
+    import torch_pjrt
+    torch_pjrt.set_shape_buckets(where == "buckets")
+    dev = "tpu"
+    model = model.to(dev)
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+gen = torch.Generator().manual_seed(1)
+t0 = time.perf_counter()
+for _ in range(steps):
+    t = int(torch.randint(16, 257, (1,), generator=gen))
+    x = torch.randint(0, 256, (8, t), generator=gen).to(dev)
+    y = torch.randint(0, 256, (8, t), generator=gen).to(dev)
+    opt.zero_grad(set_to_none=True)
+    loss = model.loss(x, y)
+    loss.backward()
+    opt.step()
+last = loss.item()
+dt = time.perf_counter() - t0
+out = dict(total=dt, loss=last)
+if where != "cpu":
+    out["compilations"] = torch_pjrt.metrics()["compilations"]
+print(json.dumps(out))
+"""
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--train-exact", action="store_true",
+                    help="also train with exact programs (one set per length: slow)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     print(f"# {describe()}; {args.tokens} new tokens, prompts of 16 then 23")
-    for where in ("cpu", "buckets", "exact"):
+    for where in ("cpu", "buckets", "exact") if args.tokens > 0 else ():
         for _ in range(args.runs):
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache)
@@ -70,6 +108,27 @@ def main():
                 f"compilations, {r['first'] / cpu['first']:.0f}x CPU), second "
                 f"{r['second']:.2f} s ({r['second_compiles']} compilations, "
                 f"{r['second'] / cpu['second']:.1f}x CPU)"
+            )
+    if args.steps <= 0:
+        return
+    print(f"# GPT training, {args.steps} AdamW steps, batch 8, lengths 16..256 (seeded)")
+    configs = ("cpu", "buckets") + (("exact",) if args.train_exact else ())
+    for where in configs:
+        for _ in range(args.runs):
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache)
+                out = subprocess.run(
+                    [sys.executable, "-c", TRAIN, here, str(args.steps), where],
+                    capture_output=True, text=True, check=True, env=env,
+                )
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            if where == "cpu":
+                base = r["total"]
+                print(f"cpu eager: {r['total']:.1f} s (last loss {r['loss']:.4f})")
+                continue
+            print(
+                f"tpu Strict, {where}: {r['total']:.1f} s ({r['compilations']} compilations, "
+                f"{r['total'] / base:.2f}x CPU; last loss {r['loss']:.4f})"
             )
 
 
