@@ -60,7 +60,10 @@ UNWRITABLE_WARNING = "cannot write the compilation cache"
 
 
 def _env(cache_dir, **extra):
-    return {**os.environ, "TORCH_TPU_CACHE_DIR": str(cache_dir), **extra}
+    # One entry per program: the quick tier (a quick and, once hot, an optimized entry per
+    # program, written by a background thread) is tested on its own below.
+    env = {"TORCH_TPU_QUICK_COMPILE": "0", **extra}
+    return {**os.environ, "TORCH_TPU_CACHE_DIR": str(cache_dir), **env}
 
 
 def _start(cache_dir, **extra):
@@ -146,6 +149,16 @@ def test_second_process_compiles_nothing(populated):
     assert info["load_seconds"] > 0 and info["compile_seconds"] == 0
     assert warm["losses"] == runs[0]["losses"]
     assert not warm["warnings"]
+
+
+def test_quick_and_optimized_programs_are_cached(tmp_path):
+    cold = _run(tmp_path, TORCH_TPU_QUICK_COMPILE="1")
+    warm = _run(tmp_path, TORCH_TPU_QUICK_COMPILE="1")
+    assert cold["info"]["compilations"] > 0
+    # Quick entries, and optimized ones for the programs that became hot in time.
+    assert len(_entries(tmp_path)) >= cold["info"]["compilations"]
+    assert warm["info"]["compilations"] == 0 and warm["info"]["disk_hits"] > 0
+    torch.testing.assert_close(warm["losses"], cold["losses"], rtol=1e-5, atol=1e-6)
 
 
 def test_bad_entries_warn_once_and_are_recompiled(populated, tmp_path):

@@ -1307,8 +1307,8 @@ pub(crate) fn plan(
     plan_with(op, overload, device, params, var, None)
 }
 
-/// `plan`, bucketed when `staging` is given: staged inputs, results left in their padded
-/// (dynamic) shapes, targets replaced whole.
+/// `plan`, bucketed when `staging` is given: staged inputs, results packed in static flat
+/// arrays (`packed_result`), targets replaced whole.
 pub(crate) fn plan_with(
     op: &str,
     overload: &str,
@@ -1416,7 +1416,7 @@ fn build(
     let compile = move |rt: &Runtime| -> Result<Compiled> {
         let quick = crate::tiers::quick_enabled();
         let (exe, quick) = rt
-            .compile_opts(&mlir, device, false, custom.as_deref(), quick)
+            .compile_full(&mlir, device, false, custom.as_deref(), quick, false)
             .map_err(|e| Error::runtime(format!("XLA failed to compile {what}: {}", e.msg)))?;
         Ok(Compiled {
             exe,

@@ -151,15 +151,7 @@ pub fn gather_flat(b: &mut Builder, flat: Value, idx: Value, sizes: &[i64]) -> V
 
 fn gather_read(b: &mut Builder, flat: Value, view: &View) -> Value {
     let idx = linear_indices(b, view);
-    let dtype = b.dtype(flat);
-    let attrs = "dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [0], start_index_map = [0], index_vector_dim = 1>, slice_sizes = array<i64: 1>, indices_are_sorted = false";
-    let g = b.op(
-        "stablehlo.gather",
-        &[flat, idx],
-        attrs,
-        TensorType::new(dtype, &[view.numel()]),
-    );
-    b.reshape(g, &view.sizes)
+    gather_flat(b, flat, idx, &view.sizes)
 }
 
 /// Returns `flat` with `view` overwritten by `value` (already of the view's shape and the

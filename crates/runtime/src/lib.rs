@@ -443,25 +443,21 @@ impl Runtime {
     /// Compiles a StableHLO module for `device` (every compilation goes through here), or
     /// loads it from the disk cache.
     pub fn compile(&self, mlir: &str, device: usize, deferred: bool) -> Result<pjrt::Executable> {
-        self.compile_opts(mlir, device, deferred, options::current().as_deref(), false)
-            .map(|(exe, _)| exe)
+        self.compile_full(
+            mlir,
+            device,
+            deferred,
+            options::current().as_deref(),
+            false,
+            false,
+        )
+        .map(|(exe, _)| exe)
     }
 
     /// Compiles with explicit custom options; `quick`: the optimized program if the disk
-    /// cache has it, else a quick one. Returns the executable and whether it is quick.
-    pub(crate) fn compile_opts(
-        &self,
-        mlir: &str,
-        device: usize,
-        deferred: bool,
-        custom: Option<&options::Custom>,
-        quick: bool,
-    ) -> Result<(pjrt::Executable, bool)> {
-        self.compile_full(mlir, device, deferred, custom, quick, false)
-    }
-
-    /// `compile_opts`; `background`: counted apart (`metrics()["background_compilations"]`),
-    /// not in the compilations a caller waited for.
+    /// cache has it, else a quick one (see `tiers`); `background`: counted apart
+    /// (`metrics()["background_compilations"]`), not in the compilations a caller waited for.
+    /// Returns the executable and whether it is quick.
     pub(crate) fn compile_full(
         &self,
         mlir: &str,
