@@ -198,7 +198,7 @@ impl Buckets {
             return None;
         }
         let sig = crate::exec::signature(op, overload, device, params);
-        let ts = crate::exec::tensor_paths(params);
+        let ts = crate::exec::tensors(params);
         let seen: Vec<Seen> = ts
             .iter()
             .map(|(_, t)| Seen {
@@ -456,7 +456,7 @@ pub(crate) fn pad_size_args(params: &[Param], st: &Staging) -> Option<Vec<Param>
             _ => None,
         })
         .collect::<Option<_>>()?;
-    let padded = crate::exec::tensor_paths(params)
+    let padded = crate::exec::tensors(params)
         .into_iter()
         .find(|(path, t)| t.view.sizes == size && st.staged.contains_key(path))
         .and_then(|(path, t)| st.padded(path, t))?;

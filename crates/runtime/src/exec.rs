@@ -270,11 +270,8 @@ impl Program {
     }
 }
 
-pub(crate) fn tensor_paths(params: &[Param]) -> Vec<(Path, &TensorRef)> {
-    tensors(params)
-}
-
-fn tensors(params: &[Param]) -> Vec<(Path, &TensorRef)> {
+/// Every tensor argument with its position, lists' elements included.
+pub(crate) fn tensors(params: &[Param]) -> Vec<(Path, &TensorRef)> {
     let mut v = Vec::new();
     for (i, p) in params.iter().enumerate() {
         match &p.arg {
