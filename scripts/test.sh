@@ -52,7 +52,9 @@ for mode in ${TORCH_PJRT_TEST_MODES:-strict debug defer_and_fuse}; do
     job "[$mode] tests/test_opinfo.py float32" "${env[@]}" -- -m "not slow" tests/test_opinfo.py "$@"
     if [[ ${TORCH_PJRT_TEST_SWEEPS:-1} != 0 ]]; then
       job "[$mode] tests/test_opinfo.py int64/int32/bool" "${env[@]}" -- \
-        -m slow -k "not (bfloat16 or float16)" tests/test_opinfo.py "$@"
+        -m slow -k "not (bfloat16 or float16 or complex64)" tests/test_opinfo.py "$@"
+      job "[$mode] tests/test_opinfo.py complex64" "${env[@]}" -- \
+        -m slow -k "complex64" tests/test_opinfo.py "$@"
       job "[$mode] tests/test_opinfo.py bfloat16/float16" "${env[@]}" -- \
         -m slow -k "bfloat16 or float16" tests/test_opinfo.py "$@"
     fi

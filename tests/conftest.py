@@ -67,7 +67,13 @@ def _move_tensor(x, device):
         # the storage (as_strided, set_) find the same neighbours as on the CPU.
         nb = base.detach().to(device)
         if nb.stride() == base.stride():
-            return nb.as_strided(x.size(), x.stride(), x.storage_offset())
+            v = nb.as_strided(x.size(), x.stride(), x.storage_offset())
+            # Lazy bits (x = base.conj(), autograd's negative views) are the view's own.
+            if x.is_conj() and not base.is_conj():
+                v = v.conj()
+            if x.is_neg() and not base.is_neg():
+                v = v._neg_view()
+            return v
     return x.detach().to(device)
 
 

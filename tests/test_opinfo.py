@@ -5,7 +5,7 @@ One test per (op name[.variant], dtype, direction):
             default 8) run through the function variant on tpu copies and on the CPU;
             outputs (after the sample's output_process_fn_grad) must be close, with
             the tolerances PyTorch's OpInfo grants the op for that dtype, on tpu.
-  backward  float32 only: gradients of sum(outputs) w.r.t. every input that requires
+  backward  float32 and complex64: gradients of sum(outputs) w.r.t. every input that requires
             grad, via torch.autograd.grad.
   inplace   float32 only: the in-place variant (x.add_(...)) mutates its input like CPU
             and returns it.
@@ -26,7 +26,7 @@ back, they only have to be right.
 
 Known failures live in tests/expected_failures.txt (strict xfail: a listed test that
 passes fails, so the file only shrinks). Default selection: float32 forward, backward and
-inplace; the int64/int32/bool/bfloat16/float16 forward tests carry the `slow` marker
+inplace; the int64/int32/bool/bfloat16/float16/complex64 tests carry the `slow` marker
 (deselect with `-m "not slow"`).
 
 bfloat16/float16 compare like PyTorch's TestCommon.test_compare_cpu: the CPU run in the
@@ -60,7 +60,10 @@ DTYPES = {
     "bool": torch.bool,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
+    "complex64": torch.complex64,
 }
+# Dtypes whose backward is tested too (complex64: gradients of sum(real) + sum(imag)).
+BACKWARD_DTYPES = (torch.float32, torch.complex64)
 DIRECTIONS = ("forward", "backward", "inplace")
 
 # OpInfos whose samples pass some tensor arguments that must stay on the CPU
@@ -164,9 +167,10 @@ def _cases():
             if dtype not in supported:
                 continue
             directions = ["forward"]
+            if (dtype in BACKWARD_DTYPES and op.supports_autograd
+                    and dtype in op.supported_backward_dtypes("cpu")):
+                directions.append("backward")
             if dtype is torch.float32:
-                if op.supports_autograd and dtype in op.supported_backward_dtypes("cpu"):
-                    directions.append("backward")
                 if op.inplace_variant is not None:
                     directions.append("inplace")
             for direction in directions:
@@ -250,9 +254,11 @@ def upcast(sample, dtype):
     """A float64 copy of the sample: tensors of the tested floating dtype become float64
     (keeping requires_grad), everything else is shared."""
 
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+
     def up(x):
         if isinstance(x, torch.Tensor) and x.dtype == dtype:
-            y = x.detach().to(torch.float64)
+            y = x.detach().to(wide)
             return y.requires_grad_() if x.requires_grad else y
         return x
 
@@ -278,8 +284,10 @@ def run_both(fn, name, sample):
     """
     t_sample = move_sample(name, sample)
     dtype = next((x.dtype for x in tree_flatten((sample.input, sample.args, sample.kwargs))[0]
-                  if isinstance(x, torch.Tensor) and x.is_floating_point()), None)
-    r_sample = upcast(sample, dtype) if dtype not in (None, torch.float64) else None
+                  if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex())),
+                 None)
+    r_sample = (upcast(sample, dtype) if dtype not in (None, torch.float64, torch.complex128)
+                else None)
     try:
         expected = fn(sample)
     except Exception as e:  # noqa: BLE001 - the CPU decides what is an error
@@ -386,6 +394,9 @@ def referee(actual, expected, reference, atol, rtol, failure):
     for x, y, r in zip(*leaves, strict=True):
         if not isinstance(y, torch.Tensor):
             continue
+        if y.is_complex() and isinstance(r, torch.Tensor) and r.is_complex():
+            # Complex results are judged part by part.
+            x, y, r = (torch.view_as_real(t.resolve_conj()) for t in (x, y, r))
         if not (y.is_floating_point() and isinstance(r, torch.Tensor) and r.is_floating_point()
                 and x.shape == y.shape == r.shape):
             torch.testing.assert_close(x, y, atol=atol, rtol=rtol, equal_nan=True)

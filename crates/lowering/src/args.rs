@@ -17,6 +17,8 @@ pub enum Arg {
     Tensor(TensorArg),
     Int(i64),
     Float(f64),
+    /// A complex number (real, imaginary).
+    Complex(f64, f64),
     Bool(bool),
     Str(String),
     ScalarType(DType),
@@ -31,6 +33,8 @@ pub enum Scalar {
     Int(i64),
     Float(f64),
     Bool(bool),
+    /// A Python complex (real, imaginary).
+    Complex(f64, f64),
 }
 
 impl Scalar {
@@ -39,6 +43,8 @@ impl Scalar {
             Scalar::Int(i) => i as f64,
             Scalar::Float(f) => f,
             Scalar::Bool(b) => b as i64 as f64,
+            // Only rules registered for complex see complex numbers (see rules::complex).
+            Scalar::Complex(re, _) => re,
         }
     }
     /// The dtype a wrapped Python number of this kind has.
@@ -47,6 +53,7 @@ impl Scalar {
             Scalar::Int(_) => DType::I64,
             Scalar::Float(_) => DType::F32,
             Scalar::Bool(_) => DType::Bool,
+            Scalar::Complex(..) => DType::C64,
         }
     }
 }
@@ -166,6 +173,7 @@ impl Args {
             Some(Arg::Int(i)) => Ok(Scalar::Int(*i)),
             Some(Arg::Float(f)) => Ok(Scalar::Float(*f)),
             Some(Arg::Bool(b)) => Ok(Scalar::Bool(*b)),
+            Some(Arg::Complex(re, im)) => Ok(Scalar::Complex(*re, *im)),
             _ => decline(format!("argument '{name}' is not a scalar")),
         }
     }
@@ -239,6 +247,7 @@ impl Args {
                     Arg::Int(i) => Ok(Scalar::Int(*i)),
                     Arg::Float(f) => Ok(Scalar::Float(*f)),
                     Arg::Bool(b) => Ok(Scalar::Bool(*b)),
+                    Arg::Complex(re, im) => Ok(Scalar::Complex(*re, *im)),
                     _ => decline(format!("argument '{name}' holds a non-scalar")),
                 })
                 .collect(),

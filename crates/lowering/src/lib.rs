@@ -196,6 +196,11 @@ pub fn find_rule(op: &str) -> Option<Rule> {
     rules::lookup(op)
 }
 
+/// Finds the rule for a call, `complex` when one of its tensors or numbers is complex.
+pub fn find_rule_for(op: &str, complex: bool) -> Option<Rule> {
+    rules::lookup_for(op, complex)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -7,6 +7,8 @@ use crate::DType;
 fn category(d: DType) -> u8 {
     if d == DType::Bool {
         0
+    } else if d.is_complex() {
+        3
     } else if d.is_float() {
         2
     } else {
@@ -21,6 +23,15 @@ pub fn promote_types(a: DType, b: DType) -> DType {
         return a;
     }
     let (ca, cb) = (category(a), category(b));
+    if a.is_complex() || b.is_complex() {
+        // The complex type wide enough for both (complex64 + float64 is complex128).
+        let wide = |d: DType| matches!(d, DType::F64 | DType::C128);
+        return if wide(a) || wide(b) {
+            DType::C128
+        } else {
+            DType::C64
+        };
+    }
     if ca != cb {
         return if ca > cb { a } else { b };
     }
@@ -80,7 +91,10 @@ fn combine(higher: Option<DType>, lower: Option<DType>) -> Option<DType> {
         (None, l) => l,
         (h, None) => h,
         (Some(h), Some(l)) => {
-            if category(l) > category(h) {
+            if category(l) == 3 && category(h) == 2 {
+                // A complex number with float tensors keeps their precision.
+                Some(h.complex_of())
+            } else if category(l) > category(h) {
                 // A float number with integer tensors gives the default float dtype,
                 // an int number with bool tensors gives int64.
                 Some(l)
@@ -93,7 +107,7 @@ fn combine(higher: Option<DType>, lower: Option<DType>) -> Option<DType> {
 
 /// The dtype of an op that always computes in floating point (exp, sqrt, div, mean, ...).
 pub fn to_float(d: DType) -> DType {
-    if d.is_float() {
+    if d.is_float() || d.is_complex() {
         d
     } else {
         DType::F32
@@ -120,6 +134,8 @@ pub fn torch_name(d: DType) -> &'static str {
         DType::BF16 => "BFloat16",
         DType::F32 => "Float",
         DType::F64 => "Double",
+        DType::C64 => "ComplexFloat",
+        DType::C128 => "ComplexDouble",
     }
 }
 
@@ -138,6 +154,8 @@ pub fn cpp_name(d: DType) -> &'static str {
         DType::BF16 => "c10::BFloat16",
         DType::F32 => "float",
         DType::F64 => "double",
+        DType::C64 => "c10::complex<float>",
+        DType::C128 => "c10::complex<double>",
     }
 }
 
@@ -153,6 +171,9 @@ mod tests {
         assert_eq!(promote_types(I64, F16), F16);
         assert_eq!(promote_types(Bool, I32), I32);
         assert_eq!(promote_types(I32, I64), I64);
+        assert_eq!(promote_types(C64, F64), C128);
+        assert_eq!(promote_types(I64, C64), C64);
+        assert_eq!(promote_types(F16, C64), C64);
     }
 
     #[test]

@@ -90,7 +90,7 @@ fn malloced(f: impl FnOnce(*mut *mut c_char, *mut usize) -> ffi::Err) -> Result<
     }
 }
 
-/// Array element types (the PJRT_Buffer_Type values PRED..BF16).
+/// Array element types (the PJRT_Buffer_Type values PRED..C128).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ElementType {
     Pred,
@@ -106,13 +106,15 @@ pub enum ElementType {
     F32,
     F64,
     BF16,
+    C64,
+    C128,
 }
 
 impl ElementType {
-    const ALL: [ElementType; 13] = {
+    const ALL: [ElementType; 15] = {
         use ElementType::*;
         [
-            Pred, S8, S16, S32, S64, U8, U16, U32, U64, F16, F32, F64, BF16,
+            Pred, S8, S16, S32, S64, U8, U16, U32, U64, F16, F32, F64, BF16, C64, C128,
         ]
     };
 
@@ -123,11 +125,12 @@ impl ElementType {
             Pred | S8 | U8 => 1,
             S16 | U16 | F16 | BF16 => 2,
             S32 | U32 | F32 => 4,
-            S64 | U64 | F64 => 8,
+            S64 | U64 | F64 | C64 => 8,
+            C128 => 16,
         }
     }
 
-    /// The PJRT_Buffer_Type enum value (PRED = 1 ... BF16 = 13).
+    /// The PJRT_Buffer_Type enum value (PRED = 1 ... BF16 = 13, C64 = 14, C128 = 15).
     pub fn to_pjrt(self) -> i32 {
         self as i32 + 1
     }

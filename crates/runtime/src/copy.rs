@@ -242,6 +242,12 @@ pub fn item(rt: &Runtime, t: &TensorRef) -> Result<Item> {
         (DType::Bool, host::Scalar::Int(i)) => Item::Bool(i != 0),
         (_, host::Scalar::Int(i)) => Item::Int(i),
         (_, host::Scalar::Float(f)) => Item::Float(f),
+        // The shim reads complex items through a host copy.
+        (_, host::Scalar::Complex(..)) => {
+            return Err(Error::runtime(
+                "item(): complex values are read through .cpu()",
+            ))
+        }
     })
 }
 

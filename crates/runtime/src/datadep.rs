@@ -288,6 +288,7 @@ fn bincount(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
         .map(|b| match crate::host::scalar(b, wdt) {
             crate::host::Scalar::Float(f) => f,
             crate::host::Scalar::Int(i) => i as f64,
+            crate::host::Scalar::Complex(re, _) => re,
         })
         .collect();
     let out: Vec<u8> = if wdt == DType::F32 {

@@ -266,6 +266,7 @@ impl Sources for GraphSources<'_> {
             let c = match host::scalar(&bytes, dtype) {
                 host::Scalar::Int(i) => b.constant_i64(dtype, i),
                 host::Scalar::Float(f) => b.constant(dtype, f),
+                host::Scalar::Complex(re, im) => b.constant_complex(dtype, re, im),
             };
             return Ok(b.reshape(c, &t.view.sizes));
         }
@@ -326,8 +327,8 @@ impl GraphSources<'_> {
             if d == dtype {
                 return Ok(v);
             }
-            if d.size() == dtype.size() {
-                return Ok(b.bitcast_convert(v, dtype));
+            if let Some(r) = crate::layout::retype_flat(b, v, dtype) {
+                return Ok(r);
             }
             return Err(Error::runtime(
                 "DeferAndFuse cannot reinterpret a pending tensor with another element size; call torch.tpu.synchronize() first",

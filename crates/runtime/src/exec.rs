@@ -52,6 +52,8 @@ pub enum RArg {
     Tensor(TensorRef),
     Int(i64),
     Float(f64),
+    /// A complex number (real, imaginary).
+    Complex(f64, f64),
     Bool(bool),
     Str(String),
     /// None when the dtype is not one the device supports.
@@ -406,6 +408,11 @@ pub(crate) fn key_with(
                 k.push(b'f');
                 k.extend_from_slice(&f.to_bits().to_le_bytes());
             }
+            RArg::Complex(re, im) => {
+                k.push(b'c');
+                k.extend_from_slice(&re.to_bits().to_le_bytes());
+                k.extend_from_slice(&im.to_bits().to_le_bytes());
+            }
             RArg::Bool(b) => k.extend_from_slice(&[b'b', *b as u8]),
             RArg::Str(s) => {
                 k.push(b'S');
@@ -737,14 +744,28 @@ pub(crate) enum LowerOutcome {
     Resize(Vec<(usize, Vec<i64>)>),
 }
 
-pub(crate) fn find_rule(op: &str, var: Variant) -> Option<lowering::Rule> {
-    lowering::find_rule(op).or_else(|| {
+pub(crate) fn find_rule(op: &str, var: Variant, complex: bool) -> Option<lowering::Rule> {
+    lowering::find_rule_for(op, complex).or_else(|| {
         if var == Variant::Inplace {
-            lowering::find_rule(op.trim_end_matches('_'))
+            lowering::find_rule_for(op.trim_end_matches('_'), complex)
         } else {
             None
         }
     })
+}
+
+/// Whether a call has a complex tensor (out= included), number or dtype argument.
+fn has_complex(params: &[Param]) -> bool {
+    fn arg(a: &RArg) -> bool {
+        match a {
+            RArg::Tensor(t) => t.dtype.is_some_and(|d| d.is_complex()),
+            RArg::Complex(..) => true,
+            RArg::ScalarType(Some(d)) => d.is_complex(),
+            RArg::List(items) => items.iter().any(arg),
+            _ => false,
+        }
+    }
+    params.iter().any(|p| arg(&p.arg))
 }
 
 /// A CPU tensor mixes with tpu ones only as a 0-dim scalar (or as indices of advanced
@@ -871,7 +892,7 @@ pub(crate) fn lower_into(
     params: &[Param],
     var: Variant,
 ) -> Result<LowerOutcome> {
-    let Some(rule) = find_rule(op, var) else {
+    let Some(rule) = find_rule(op, var, has_complex(params)) else {
         return Ok(LowerOutcome::Declined(lowering::no_rule(op)));
     };
     let mut slots: Vec<Slot> = Vec::new();
@@ -1652,6 +1673,7 @@ fn to_arg(b: &Builder, a: &RArg, i: usize, j: Option<usize>, values: &HashMap<Pa
         }),
         RArg::Int(v) => Arg::Int(*v),
         RArg::Float(v) => Arg::Float(*v),
+        RArg::Complex(re, im) => Arg::Complex(*re, *im),
         RArg::Bool(v) => Arg::Bool(*v),
         RArg::Str(s) => Arg::Str(s.clone()),
         RArg::ScalarType(Some(d)) => Arg::ScalarType(*d),

@@ -94,10 +94,19 @@ pub fn has_nan_or_inf(bytes: &[u8], dtype: stablehlo::DType) -> bool {
 pub enum Scalar {
     Int(i64),
     Float(f64),
+    Complex(f64, f64),
 }
 
 pub fn scalar(b: &[u8], dtype: stablehlo::DType) -> Scalar {
     use stablehlo::DType;
+    if dtype.is_complex() {
+        let p = dtype.real_part();
+        let (re, im) = match (scalar(b, p), scalar(&b[p.size()..], p)) {
+            (Scalar::Float(re), Scalar::Float(im)) => (re, im),
+            _ => unreachable!("complex parts are floats"),
+        };
+        return Scalar::Complex(re, im);
+    }
     let mut a = [0u8; 8];
     a[..dtype.size()].copy_from_slice(&b[..dtype.size()]);
     match dtype {
@@ -113,6 +122,7 @@ pub fn scalar(b: &[u8], dtype: stablehlo::DType) -> Scalar {
         }
         DType::F32 => Scalar::Float(f32::from_le_bytes([a[0], a[1], a[2], a[3]]) as f64),
         DType::F64 => Scalar::Float(f64::from_le_bytes(a)),
+        DType::C64 | DType::C128 => unreachable!("handled above"),
     }
 }
 

@@ -39,6 +39,36 @@ impl View {
 }
 
 /// Reads `view` out of `flat` (a 1-d value of the storage's elements).
+/// A flat storage value read as `to` elements, on the device: a bitcast between types of
+/// one size, or a complex type as the (real, imag) pairs of its part type and back
+/// (`view_as_real`/`view_as_complex`). None for other pairs.
+pub fn retype_flat(b: &mut Builder, v: Value, to: DType) -> Option<Value> {
+    let from = b.dtype(v);
+    let n = b.shape(v)[0];
+    if from == to {
+        return Some(v);
+    }
+    if from.size() == to.size() && !from.is_complex() && !to.is_complex() {
+        return Some(b.bitcast_convert(v, to));
+    }
+    if from.is_complex() && to == from.real_part() {
+        let re = b.real(v);
+        let im = b.imag(v);
+        let re = b.reshape(re, &[n, 1]);
+        let im = b.reshape(im, &[n, 1]);
+        let pairs = b.concatenate(&[re, im], 1);
+        return Some(b.reshape(pairs, &[2 * n]));
+    }
+    if to.is_complex() && from == to.real_part() && n % 2 == 0 {
+        let pairs = b.reshape(v, &[n / 2, 2]);
+        let re = b.slice(pairs, &[0, 0], &[n / 2, 1], &[1, 1]);
+        let im = b.slice(pairs, &[0, 1], &[n / 2, 2], &[1, 1]);
+        let c = b.complex(re, im);
+        return Some(b.reshape(c, &[n / 2]));
+    }
+    None
+}
+
 pub fn read(b: &mut Builder, flat: Value, view: &View) -> Value {
     let n = b.shape(flat)[0];
     let dtype = b.dtype(flat);

@@ -124,6 +124,8 @@ pub fn from_pjrt(e: pjrt::ElementType) -> Option<DType> {
         E::BF16 => DType::BF16,
         E::F32 => DType::F32,
         E::F64 => DType::F64,
+        E::C64 => DType::C64,
+        E::C128 => DType::C128,
         _ => return None,
     })
 }
@@ -143,6 +145,8 @@ pub fn dtype_to_pjrt(d: DType) -> pjrt::ElementType {
         DType::BF16 => E::BF16,
         DType::F32 => E::F32,
         DType::F64 => E::F64,
+        DType::C64 => E::C64,
+        DType::C128 => E::C128,
     }
 }
 

@@ -25,6 +25,10 @@ pub enum DType {
     BF16,
     F32,
     F64,
+    /// complex64: (real, imag) float32 pairs.
+    C64,
+    /// complex128: (real, imag) float64 pairs.
+    C128,
 }
 
 impl DType {
@@ -42,6 +46,8 @@ impl DType {
             DType::BF16 => "bf16",
             DType::F32 => "f32",
             DType::F64 => "f64",
+            DType::C64 => "complex<f32>",
+            DType::C128 => "complex<f64>",
         }
     }
     pub fn size(self) -> usize {
@@ -49,7 +55,27 @@ impl DType {
             DType::Bool | DType::U8 | DType::I8 => 1,
             DType::I16 | DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::U32 | DType::F32 => 4,
-            DType::I64 | DType::U64 | DType::F64 => 8,
+            DType::I64 | DType::U64 | DType::F64 | DType::C64 => 8,
+            DType::C128 => 16,
+        }
+    }
+    pub fn is_complex(self) -> bool {
+        matches!(self, DType::C64 | DType::C128)
+    }
+    /// The dtype of a complex type's parts (float32 for complex64); others are their own.
+    pub fn real_part(self) -> DType {
+        match self {
+            DType::C64 => DType::F32,
+            DType::C128 => DType::F64,
+            d => d,
+        }
+    }
+    /// The complex type whose parts are this float type (complex64 for float32 and the
+    /// half types, as PyTorch's `toComplexType` for the types the device has).
+    pub fn complex_of(self) -> DType {
+        match self {
+            DType::F64 | DType::C128 => DType::C128,
+            _ => DType::C64,
         }
     }
     pub fn is_float(self) -> bool {
@@ -67,6 +93,10 @@ impl DType {
     /// Prints a Rust number as an MLIR literal of this type.
     pub fn literal(self, v: f64) -> String {
         match self {
+            DType::C64 | DType::C128 => {
+                let p = self.real_part();
+                format!("({}, {})", p.literal(v), p.literal(0.0))
+            }
             DType::Bool => (if v != 0.0 { "true" } else { "false" }).to_string(),
             d if d.is_float() => {
                 if v.is_nan() {
@@ -96,10 +126,15 @@ impl DType {
             _ => format!("{}", v as i64),
         }
     }
+    /// A complex literal `(re, im)` of this complex type.
+    pub fn complex_literal(self, re: f64, im: f64) -> String {
+        let p = self.real_part();
+        format!("({}, {})", p.literal(re), p.literal(im))
+    }
     pub fn int_literal(self, v: i64) -> String {
         match self {
             DType::Bool => (if v != 0 { "true" } else { "false" }).to_string(),
-            d if d.is_float() => self.literal(v as f64),
+            d if d.is_float() || d.is_complex() => self.literal(v as f64),
             _ => v.to_string(),
         }
     }

@@ -81,6 +81,17 @@ impl Builder {
         self.op("stablehlo.constant", &[], &attr, ty)
     }
 
+    /// A 0-d complex constant `re + i*im`.
+    pub fn constant_complex(&mut self, dtype: DType, re: f64, im: f64) -> Value {
+        let ty = TensorType::scalar(dtype);
+        let attr = format!(
+            "value = dense<{}> : {}",
+            dtype.complex_literal(re, im),
+            ty.mlir()
+        );
+        self.op("stablehlo.constant", &[], &attr, ty)
+    }
+
     pub fn constant_i64(&mut self, dtype: DType, v: i64) -> Value {
         let ty = TensorType::scalar(dtype);
         let attr = format!("value = dense<{}> : {}", dtype.int_literal(v), ty.mlir());
@@ -172,8 +183,11 @@ impl Builder {
     pub fn tanh(&mut self, a: Value) -> Value {
         self.unary("stablehlo.tanh", a)
     }
+    /// |a|; the magnitude (a real tensor) for complex `a`.
     pub fn abs(&mut self, a: Value) -> Value {
-        self.unary("stablehlo.abs", a)
+        let ty = self.ty(a).clone();
+        let ty = ty.with_dtype(ty.dtype.real_part());
+        self.op("stablehlo.abs", &[a], "", ty)
     }
     pub fn floor(&mut self, a: Value) -> Value {
         self.unary("stablehlo.floor", a)
@@ -196,7 +210,7 @@ impl Builder {
             CmpDir::Gt => "GT",
             CmpDir::Ge => "GE",
         };
-        let kind = if ty.dtype.is_float() {
+        let kind = if ty.dtype.is_float() || ty.dtype.is_complex() {
             "FLOAT"
         } else if ty.dtype.is_signed_int() {
             "SIGNED"
@@ -234,8 +248,53 @@ impl Builder {
             let z = self.splat(x, 0.0);
             return self.compare(x, z, CmpDir::Ne);
         }
+        let from = self.dtype(x);
+        if from.is_complex() && !dtype.is_complex() {
+            // PyTorch keeps the real part (and warns, in Python).
+            let r = self.real(x);
+            return self.convert(r, dtype);
+        }
+        if dtype.is_complex() && !from.is_complex() && from != dtype.real_part() {
+            let r = self.convert(x, dtype.real_part());
+            return self.convert(r, dtype);
+        }
         let ty = self.ty(x).with_dtype(dtype);
         self.op("stablehlo.convert", &[x], "", ty)
+    }
+
+    /// The real part of a complex `x` (a float `x` is its own).
+    pub fn real(&mut self, x: Value) -> Value {
+        let d = self.dtype(x);
+        if !d.is_complex() {
+            return x;
+        }
+        let ty = self.ty(x).with_dtype(d.real_part());
+        self.op("stablehlo.real", &[x], "", ty)
+    }
+
+    /// The complex conjugate of `x` (a real `x` is its own).
+    pub fn conj(&mut self, x: Value) -> Value {
+        if !self.dtype(x).is_complex() {
+            return x;
+        }
+        let re = self.real(x);
+        let im = self.imag(x);
+        let nim = self.unary("stablehlo.negate", im);
+        self.complex(re, nim)
+    }
+
+    /// The imaginary part of a complex `x`.
+    pub fn imag(&mut self, x: Value) -> Value {
+        let d = self.dtype(x);
+        let ty = self.ty(x).with_dtype(d.real_part());
+        self.op("stablehlo.imag", &[x], "", ty)
+    }
+
+    /// The complex number `re + i*im` from two float tensors of one type.
+    pub fn complex(&mut self, re: Value, im: Value) -> Value {
+        let d = self.dtype(re);
+        let ty = self.ty(re).with_dtype(d.complex_of());
+        self.op("stablehlo.complex", &[re, im], "", ty)
     }
 
     pub fn bitcast_convert(&mut self, x: Value, dtype: DType) -> Value {

@@ -512,17 +512,18 @@ struct TpuHooks final : at::PrivateUse1HooksInterface {
 // C++ kernels: factories, views, storage/metadata, copies
 // ----------------------------------------------------------------------------
 
-// Element types XLA gets from us; anything else (complex, quantized, float8) is refused up
-// front, before a tensor of that type can exist on the device.
+// Element types XLA gets from us; anything else (complex32, quantized, float8) is refused
+// up front, before a tensor of that type can exist on the device.
 void check_supported_dtype(at::ScalarType t) {
   using S = at::ScalarType;
   switch (t) {
     case S::Bool: case S::Byte: case S::Char: case S::Short: case S::Int: case S::Long:
     case S::UInt32: case S::UInt64: case S::Half: case S::BFloat16: case S::Float: case S::Double:
+    case S::ComplexFloat: case S::ComplexDouble:
       return;
     default:
       TORCH_CHECK_NOT_IMPLEMENTED(false, "the tpu device does not support ", t,
-                                  " tensors (complex, quantized and float8 types have no lowering); "
+                                  " tensors (complex32, quantized and float8 types have no lowering); "
                                   "compute this part on the CPU");
   }
 }
@@ -632,12 +633,31 @@ void tpu_record_stream(at::Tensor& self, c10::Stream s) {
   TORCH_CHECK(s.device_type() == kTpu, "record_stream: expected a tpu stream, got ", s);
 }
 
+// The tensor's memory as it is, without its lazy conjugate/negative bit.
+at::Tensor physical(const at::Tensor& t) {
+  at::Tensor a = t.alias();
+  a._set_conj(false);
+  a._set_neg(false);
+  return a;
+}
+
 void copy_impl(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) {
   if (src.device().type() == kTpu || dst.device().type() == kTpu) {
     check_supported_dtype(src.scalar_type());
     check_supported_dtype(dst.scalar_type());
   }
   if (dst.numel() == 0) return;
+  // Lazy bits (conj() of a complex tensor, the negative views autograd makes): copy the
+  // memory, then apply to the destination what the two bits disagree on.
+  const bool conj = src.is_conj() != dst.is_conj();
+  const bool neg = src.is_neg() != dst.is_neg();
+  if (src.is_conj() || src.is_neg() || dst.is_conj() || dst.is_neg()) {
+    at::Tensor d = physical(dst);
+    copy_impl(physical(src), d, non_blocking);
+    if (conj) at::conj_physical_(d);
+    if (neg) d.neg_();
+    return;
+  }
   TpuTensor s, d;
   describe_or_throw(src, false, &s, "copy source");
   describe_or_throw(dst, true, &d, "copy destination");
@@ -670,7 +690,7 @@ at::Scalar tpu_local_scalar_dense(const at::Tensor& self) {
   TORCH_CHECK(self.numel() == 1, "a Tensor with ", self.numel(), " elements cannot be converted to Scalar");
   if (c10::isComplexType(self.scalar_type())) {
     // TpuRet has no imaginary part: go through a host copy.
-    at::Tensor host = at::empty({}, self.options().device(c10::kCPU));
+    at::Tensor host = at::empty(self.sizes(), self.options().device(c10::kCPU));
     copy_impl(self, host, false);
     return host.item();
   }
@@ -1116,11 +1136,41 @@ void run_declined(const c10::OperatorHandle& op, torch::jit::Stack* stack, size_
   for (auto& [orig, hostc] : writeback) copy_impl(hostc, orig, false);
 }
 
+// A tensor with its lazy conjugate/negative bit applied, in new memory.
+at::Tensor resolved(const at::Tensor& t) {
+  if (!t.is_conj() && !t.is_neg()) return t;
+  if (t.device().type() != kTpu) return t.resolve_conj().resolve_neg();
+  at::Tensor out = at::empty(t.sizes(), t.options());
+  copy_impl(t, out, false);
+  return out;
+}
+
+// PyTorch hands some ops (mm, dot, add, ...) tensors still carrying a lazy conjugate or
+// negative bit; the programs read memory, so the inputs are resolved first.
+void resolve_lazy_bits(const c10::FunctionSchema& schema, torch::jit::Stack* stack, size_t base, size_t nargs) {
+  const auto& sargs = schema.arguments();
+  for (size_t k = 0; k < nargs; ++k) {
+    c10::IValue& v = (*stack)[base + k];
+    if (sargs[k].alias_info() && sargs[k].alias_info()->isWrite()) continue;
+    if (v.isTensor()) {
+      const at::Tensor& t = v.toTensor();
+      if (t.defined() && (t.is_conj() || t.is_neg())) v = resolved(t);
+    } else if (v.isTensorList()) {
+      auto list = v.toTensorList();
+      for (size_t i = 0; i < list.size(); ++i) {
+        const at::Tensor t = list.get(i);
+        if (t.defined() && (t.is_conj() || t.is_neg())) list.set(i, resolved(t));
+      }
+    }
+  }
+}
+
 void tpu_boxed_kernel(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const c10::FunctionSchema& schema = op.schema();
   const size_t nargs = schema.arguments().size();
   TORCH_INTERNAL_ASSERT(stack->size() >= nargs);
   const size_t base = stack->size() - nargs;
+  resolve_lazy_bits(schema, stack, base, nargs);
   const char* name = schema.name().c_str();
   const char* overload = schema.overload_name().c_str();
 
@@ -1350,10 +1400,21 @@ void init_locked() {
   // Their composite defaults throw for non-CPU/CUDA devices (P5).
   register_boxed_locked("convolution_overrideable");
   register_boxed_locked("convolution_backward_overrideable");
+  // Composite kernels that call a CPU/CUDA-only DispatchStub.
+  register_boxed_locked("conj_physical_");
+  register_boxed_locked("_conj_physical");
 
   static torch::Library* fallback =
       new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
   fallback->fallback(torch::CppFunction::makeFromBoxedFunction<&tpu_boxed_kernel>());
+
+  // Copies apply lazy conjugate/negative bits themselves (copy_impl); PyTorch's fallback
+  // for those keys would resolve the source with a copy, i.e. recurse into this one.
+  for (auto key : {c10::DispatchKey::Conjugate, c10::DispatchKey::Negative}) {
+    auto* lib = new torch::Library(torch::Library::IMPL, "aten", key, __FILE__, __LINE__);
+    lib->impl("_copy_from", torch::CppFunction::makeFallthrough());
+    lib->impl("_copy_from_and_resize", torch::CppFunction::makeFallthrough());
+  }
 
   // Without this every op fails inside torch.autocast("tpu") (P7).
   static torch::Library* autocast =

@@ -73,6 +73,7 @@ const STRING: i32 = 5;
 const LIST: i32 = 6;
 const SCALAR_TYPE: i32 = 7;
 const GENERATOR: i32 = 8;
+const COMPLEX: i32 = 9;
 const DEVICE: i32 = 10;
 const LAYOUT: i32 = 11;
 /// c10::Layout::Strided, the only layout the device has.
@@ -104,6 +105,8 @@ pub fn dtype_from_c10(v: i32) -> Option<DType> {
         5 => DType::F16,
         6 => DType::F32,
         7 => DType::F64,
+        9 => DType::C64,
+        10 => DType::C128,
         11 => DType::Bool,
         15 => DType::BF16,
         _ => return None,
@@ -120,6 +123,8 @@ pub fn dtype_to_c10(d: DType) -> i32 {
         DType::F16 => 5,
         DType::F32 => 6,
         DType::F64 => 7,
+        DType::C64 => 9,
+        DType::C128 => 10,
         DType::Bool => 11,
         DType::BF16 => 15,
         DType::U32 => 28,
@@ -197,6 +202,7 @@ pub unsafe fn arg(a: &TpuArg) -> RArg {
         },
         INT => RArg::Int(a.i),
         DOUBLE => RArg::Float(a.d),
+        COMPLEX => RArg::Complex(a.d, a.d_imag),
         BOOL => RArg::Bool(a.i != 0),
         // SAFETY: strings are NUL-terminated and alive for the call.
         STRING => RArg::Str(unsafe { cstr(a.s) }),

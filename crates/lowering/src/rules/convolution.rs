@@ -339,7 +339,7 @@ fn im2col(c: &mut Ctx) -> LResult<Vec<Out>> {
             ),
         );
     }
-    if !x.dtype.is_float() && x.dtype != DType::Bool {
+    if !x.dtype.is_float() && !x.dtype.is_complex() && x.dtype != DType::Bool {
         return decline(format!("im2col: {} input", torch_name(x.dtype)));
     }
     let lead = &x.shape[..r - 3];
@@ -425,7 +425,7 @@ fn col2im(c: &mut Ctx) -> LResult<Vec<Out>> {
             ),
         );
     }
-    if !x.dtype.is_float() {
+    if !x.dtype.is_float() && !x.dtype.is_complex() {
         return decline(format!("col2im: {} input", torch_name(x.dtype)));
     }
     let lead = &x.shape[..cd];

@@ -269,6 +269,8 @@ fn check_fill_value(dt: DType, s: Scalar) -> LResult<()> {
             f.is_nan() || f < lo || f >= hi + 1.0 || (dt == DType::U8 && f < 0.0)
         }
         Scalar::Float(f) => f.is_finite() && (f < lo || f > hi),
+        // A real type cannot hold an imaginary part (c10's checked_convert).
+        Scalar::Complex(re, im) => im != 0.0 || re.is_finite() && (re < lo || re > hi),
     };
     if bad {
         return user_err(
@@ -306,6 +308,9 @@ fn fill_value(c: &mut Ctx, name: &str, dt: DType, op: &str) -> LResult<Value> {
         }
         Opnd::S(s) => {
             check_fill_value(dt, s)?;
+            if dt.is_complex() {
+                return Ok(super::full_scalar(c.b, dt, &[], s));
+            }
             Ok(c.b.constant(dt, scalar_as(dt, s)))
         }
     }

@@ -2,7 +2,9 @@
 
 use crate::args::Scalar;
 use crate::shape::shape_str;
-use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value};
+use crate::{
+    decline, user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value,
+};
 
 use super::opmath;
 use super::{common, mat, Opnd};
@@ -10,28 +12,26 @@ use super::{common, mat, Opnd};
 /// `beta * self + alpha * prod`, skipping the terms PyTorch skips (beta == 0 ignores self,
 /// even NaN in it).
 fn axpby(c: &mut Ctx, prod: Value) -> LResult<Value> {
-    let beta = c.args.opt_scalar("beta").map(|s| s.as_f64()).unwrap_or(1.0);
-    let alpha = c
-        .args
-        .opt_scalar("alpha")
-        .map(|s| s.as_f64())
-        .unwrap_or(1.0);
+    let one = Scalar::Float(1.0);
+    let beta = c.args.opt_scalar("beta").unwrap_or(one);
+    let alpha = c.args.opt_scalar("alpha").unwrap_or(one);
+    let is = super::scalar_is;
     let b = &mut *c.b;
     let shape = b.shape(prod);
     let dt = b.dtype(prod);
-    let p = if alpha != 1.0 {
-        let k = b.splat(prod, alpha);
+    let p = if !is(alpha, 1.0) {
+        let k = super::full_scalar(b, dt, &shape, alpha);
         b.mul(prod, k)
     } else {
         prod
     };
-    if beta == 0.0 {
+    if is(beta, 0.0) {
         return Ok(p);
     }
     let s = c.args.tensor("self")?.clone();
     let sv = mat(b, &Opnd::T(s), dt, &shape);
-    let sv = if beta != 1.0 {
-        let k = b.splat(sv, beta);
+    let sv = if !is(beta, 1.0) {
+        let k = super::full_scalar(b, dt, &shape, beta);
         b.mul(sv, k)
     } else {
         sv
@@ -267,6 +267,7 @@ fn addr(c: &mut Ctx) -> LResult<Vec<Out>> {
             );
         }
     }
+    let (beta_s, alpha_s) = (beta, alpha);
     let (beta, alpha) = (beta.as_f64(), alpha.as_f64());
     let b = &mut *c.b;
     let x = b.convert(v1.value, dt);
@@ -286,8 +287,8 @@ fn addr(c: &mut Ctx) -> LResult<Vec<Out>> {
             p
         }
     } else {
-        let x = if alpha != 1.0 {
-            let k = b.splat(x, alpha);
+        let x = if !super::scalar_is(alpha_s, 1.0) {
+            let k = super::full_scalar(b, dt, &[v1.shape[0]], alpha_s);
             b.mul(k, x)
         } else {
             x
@@ -296,10 +297,10 @@ fn addr(c: &mut Ctx) -> LResult<Vec<Out>> {
         let y = b.broadcast_in_dim(y, &out, &[1]);
         let p = b.mul(x, y);
         // beta == 0 ignores self, even NaN in it.
-        if beta != 0.0 {
+        if !super::scalar_is(beta_s, 0.0) {
             let mut sv = mat(b, &Opnd::T(s), dt, &out);
-            if beta != 1.0 {
-                let k = b.splat(sv, beta);
+            if !super::scalar_is(beta_s, 1.0) {
+                let k = super::full_scalar(b, dt, &out, beta_s);
                 sv = b.mul(k, sv);
             }
             b.add(sv, p)
@@ -308,6 +309,47 @@ fn addr(c: &mut Ctx) -> LResult<Vec<Out>> {
         }
     };
     Ok(vec![Out::T(r)])
+}
+
+fn addbmm(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let s = c.args.tensor("self")?.clone();
+    let b1 = c.args.tensor("batch1")?.clone();
+    let b2 = c.args.tensor("batch2")?.clone();
+    for (t, n) in [(&b1, "batch1"), (&b2, "batch2")] {
+        if t.shape.len() != 3 {
+            return user_err(ErrorKind::Runtime, format!("{n} must be a 3D tensor"));
+        }
+    }
+    if b1.shape[0] != b2.shape[0] {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "batch1 and batch2 must have same number of batches, got {} and {}",
+                b1.shape[0], b2.shape[0]
+            ),
+        );
+    }
+    if b1.shape[2] != b2.shape[1] {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Incompatible matrix sizes for bmm ({}x{} and {}x{})",
+                b1.shape[1], b1.shape[2], b2.shape[1], b2.shape[2]
+            ),
+        );
+    }
+    if s.dtype != b1.dtype || b1.dtype != b2.dtype || s.dtype == DType::Bool {
+        return decline("addbmm with mixed dtypes");
+    }
+    let out = [b1.shape[1], b2.shape[2]];
+    if c.op.ends_with('_') && s.shape != out {
+        // PyTorch resizes self here; the in-place write cannot.
+        return decline("addbmm_ on a self of another shape");
+    }
+    super::views::expand_check(&s.shape, &out)?;
+    let p =
+        c.b.dot_general(b1.value, b2.value, (&[], &[]), (&[0, 2], &[0, 1]), s.dtype);
+    Ok(vec![Out::T(axpby(c, p)?)])
 }
 
 /// `linalg_matrix_exp` by scaling and squaring: A / 2^s (s from A's 1-norm, per matrix) goes
@@ -427,5 +469,6 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::addmv", mv),
     ("aten::outer", outer),
     ("aten::addr", addr),
+    ("aten::addbmm", addbmm),
     ("aten::linalg_matrix_exp", matrix_exp),
 ];

@@ -13,6 +13,7 @@ use crate::{Builder, Ctx, DType, LResult, Rule, TensorArg, Value};
 pub mod activations;
 pub mod amp;
 pub mod attention;
+pub mod complex;
 pub mod convolution;
 pub mod decomp;
 pub mod foreach;
@@ -73,6 +74,25 @@ fn table() -> &'static HashMap<&'static str, Rule> {
 
 pub fn lookup(op: &str) -> Option<Rule> {
     table().get(op).copied()
+}
+
+fn complex_table() -> &'static HashMap<&'static str, Rule> {
+    static TABLE: OnceLock<HashMap<&'static str, Rule>> = OnceLock::new();
+    TABLE.get_or_init(|| complex::RULES.iter().copied().collect())
+}
+
+/// The rule for a call; `complex` when a tensor or number of the call is complex. Such a
+/// call runs only a rule the complex family vouches for (see `complex`). Real calls use
+/// the main table, then the complex family (ops like `polar` that make complex results).
+pub fn lookup_for(op: &str, complex: bool) -> Option<Rule> {
+    if complex {
+        complex_table()
+            .get(op)
+            .copied()
+            .or_else(|| complex::SHARED.contains(&op).then(|| lookup(op)).flatten())
+    } else {
+        lookup(op).or_else(|| complex_table().get(op).copied())
+    }
 }
 
 /// Ops whose composite kernels would split them before they reach the backend, although a
@@ -215,6 +235,7 @@ pub fn takes_cpu_tensors(op: &str) -> bool {
 /// Every op name with a rule (for coverage reports).
 pub fn names() -> Vec<&'static str> {
     let mut v: Vec<&str> = table().keys().copied().collect();
+    v.extend(complex_table().keys().filter(|k| !table().contains_key(*k)));
     v.sort();
     v
 }
@@ -231,6 +252,7 @@ impl Opnd {
         match self {
             Opnd::T(t) if t.wrapped_number => Operand::Number(match t.dtype {
                 DType::Bool => Scalar::Bool(true),
+                d if d.is_complex() => Scalar::Complex(0.0, 0.0),
                 d if d.is_float() => Scalar::Float(0.0),
                 _ => Scalar::Int(0),
             }),
@@ -269,7 +291,27 @@ pub fn mat(b: &mut Builder, o: &Opnd, dtype: DType, shape: &[i64]) -> Value {
             let v = b.convert(t.value, dtype);
             b.broadcast_to(v, shape)
         }
-        Opnd::S(s) => b.full(dtype, shape, s.as_f64()),
+        Opnd::S(s) => full_scalar(b, dtype, shape, *s),
+    }
+}
+
+/// Whether the number `s` equals the real `v` (a complex one with no imaginary part).
+pub fn scalar_is(s: Scalar, v: f64) -> bool {
+    match s {
+        Scalar::Complex(re, im) => re == v && im == 0.0,
+        s => s.as_f64() == v,
+    }
+}
+
+/// A tensor of `shape` and `dtype` filled with the number `s` (complex numbers keep
+/// their imaginary part when `dtype` is complex).
+pub fn full_scalar(b: &mut Builder, dtype: DType, shape: &[i64], s: Scalar) -> Value {
+    match s {
+        Scalar::Complex(re, im) if dtype.is_complex() => {
+            let c = b.constant_complex(dtype, re, im);
+            b.broadcast_in_dim(c, shape, &[])
+        }
+        s => b.full(dtype, shape, s.as_f64()),
     }
 }
 
@@ -307,7 +349,7 @@ pub fn scalar_value(c: &mut Ctx, name: &str, like: Value) -> LResult<Option<(Val
         return Ok(Some((c.b.broadcast_to(v, &ty.shape), kind)));
     }
     match c.args.opt_scalar(name) {
-        Some(s) => Ok(Some((c.b.full(ty.dtype, &ty.shape, s.as_f64()), s))),
+        Some(s) => Ok(Some((full_scalar(c.b, ty.dtype, &ty.shape, s), s))),
         None => Ok(None),
     }
 }

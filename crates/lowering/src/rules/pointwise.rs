@@ -312,6 +312,8 @@ fn silu_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
 fn out_backward(c: &mut Ctx, f: Un) -> LResult<Vec<Out>> {
     let (v, _, _) = promote(c, &["grad_output", "output"], same)?;
     let d = f(c.b, v[1]);
+    // Complex gradients take the conjugate derivative (PyTorch's convention).
+    let d = c.b.conj(d);
     Ok(vec![Out::T(c.b.mul(v[0], d))])
 }
 
@@ -402,7 +404,7 @@ fn fill(c: &mut Ctx) -> LResult<Vec<Out>> {
             let x = c.b.convert(v.value, t.dtype);
             c.b.broadcast_to(x, &t.shape)
         }
-        Opnd::S(s) => c.b.full(t.dtype, &t.shape, s.as_f64()),
+        Opnd::S(s) => super::full_scalar(c.b, t.dtype, &t.shape, s),
     };
     Ok(vec![Out::T(v)])
 }
@@ -430,8 +432,8 @@ fn lerp(c: &mut Ctx) -> LResult<Vec<Out>> {
     let omw = b.sub(one, w);
     let t = b.mul(d, omw);
     let hi = b.sub(e, t);
-    let half = b.splat(w, 0.5);
     let aw = b.abs(w);
+    let half = b.splat(aw, 0.5);
     let small = b.compare(aw, half, CmpDir::Lt);
     let r = b.select(small, lo, hi);
     Ok(vec![Out::T(b.convert(r, dt))])

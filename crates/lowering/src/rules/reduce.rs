@@ -41,11 +41,13 @@ fn input(c: &Ctx) -> LResult<TensorArg> {
 
 /// The accumulation dtype of sum/prod/cumsum: the `dtype` argument, or int64 for integers.
 fn acc_dtype(c: &Ctx, t: &TensorArg) -> DType {
-    c.args.opt_dtype("dtype").unwrap_or(if t.dtype.is_float() {
-        t.dtype
-    } else {
-        DType::I64
-    })
+    c.args
+        .opt_dtype("dtype")
+        .unwrap_or(if t.dtype.is_float() || t.dtype.is_complex() {
+            t.dtype
+        } else {
+            DType::I64
+        })
 }
 
 fn sum_like(c: &mut Ctx, kind: ReduceKind) -> LResult<Vec<Out>> {
@@ -71,7 +73,7 @@ fn sum_like(c: &mut Ctx, kind: ReduceKind) -> LResult<Vec<Out>> {
 fn mean(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = input(c)?;
     let dt = c.args.opt_dtype("dtype").unwrap_or(t.dtype);
-    if !dt.is_float() {
+    if !dt.is_float() && !dt.is_complex() {
         return user_err(
             ErrorKind::Runtime,
             format!(

@@ -588,6 +588,7 @@ fn scalar_str(s: Scalar) -> String {
         Scalar::Int(i) => i.to_string(),
         Scalar::Float(f) => format!("{f}"),
         Scalar::Bool(b) => (b as i64).to_string(),
+        Scalar::Complex(re, im) => format!("({re}+{im}j)"),
     }
 }
 
@@ -1364,7 +1365,7 @@ fn trace(c: &mut Ctx) -> LResult<Vec<Out>> {
             "\"trace\" not implemented for 'Bool'",
         );
     }
-    let dt = if t.dtype.is_float() {
+    let dt = if t.dtype.is_float() || t.dtype.is_complex() {
         t.dtype
     } else {
         DType::I64
@@ -1378,59 +1379,6 @@ fn trace(c: &mut Ctx) -> LResult<Vec<Out>> {
     let d = b.select(diag, x, z);
     let r = b.reduce(d, &[0, 1], ReduceKind::Sum);
     Ok(vec![Out::T(b.convert(r, dt))])
-}
-
-fn addbmm(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let s = input(c)?;
-    let b1 = c.args.tensor("batch1")?.clone();
-    let b2 = c.args.tensor("batch2")?.clone();
-    for (t, n) in [(&b1, "batch1"), (&b2, "batch2")] {
-        if t.shape.len() != 3 {
-            return user_err(ErrorKind::Runtime, format!("{n} must be a 3D tensor"));
-        }
-    }
-    if b1.shape[0] != b2.shape[0] {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "batch1 and batch2 must have same number of batches, got {} and {}",
-                b1.shape[0], b2.shape[0]
-            ),
-        );
-    }
-    if b1.shape[2] != b2.shape[1] {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "Incompatible matrix sizes for bmm ({}x{} and {}x{})",
-                b1.shape[1], b1.shape[2], b2.shape[1], b2.shape[2]
-            ),
-        );
-    }
-    if s.dtype != b1.dtype || b1.dtype != b2.dtype || s.dtype == DType::Bool {
-        return decline("addbmm with mixed dtypes");
-    }
-    let out = [b1.shape[1], b2.shape[2]];
-    if c.op.ends_with('_') && s.shape != out {
-        // PyTorch resizes self here; the in-place write cannot.
-        return decline("addbmm_ on a self of another shape");
-    }
-    super::views::expand_check(&s.shape, &out)?;
-    let beta = c.args.opt_scalar("beta").map(|v| v.as_f64()).unwrap_or(1.0);
-    let alpha = c
-        .args
-        .opt_scalar("alpha")
-        .map(|v| v.as_f64())
-        .unwrap_or(1.0);
-    let b = &mut *c.b;
-    let p = b.dot_general(b1.value, b2.value, (&[], &[]), (&[0, 2], &[0, 1]), s.dtype);
-    let p = if alpha != 1.0 { scale(b, p, alpha) } else { p };
-    if beta == 0.0 {
-        return Ok(vec![Out::T(p)]);
-    }
-    let sv = b.broadcast_to(s.value, &out);
-    let sv = if beta != 1.0 { scale(b, sv, beta) } else { sv };
-    Ok(vec![Out::T(b.add(sv, p))])
 }
 
 fn linalg_cross(c: &mut Ctx) -> LResult<Vec<Out>> {
@@ -2130,7 +2078,6 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::_cholesky_solve_helper", cholesky_solve_helper),
     ("aten::cholesky_inverse", cholesky_inverse),
     ("aten::trace", trace),
-    ("aten::addbmm", addbmm),
     ("aten::linalg_cross", linalg_cross),
     ("aten::vdot", vdot),
     ("aten::histc", histc),
