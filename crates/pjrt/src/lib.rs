@@ -998,11 +998,15 @@ mod tests {
             assert_eq!(ElementType::from_pjrt(t.to_pjrt()), Some(t));
         }
         assert_eq!(
-            (ElementType::F32.to_pjrt(), ElementType::BF16.to_pjrt()),
-            (11, 13)
+            (
+                ElementType::F32.to_pjrt(),
+                ElementType::BF16.to_pjrt(),
+                ElementType::C128.to_pjrt()
+            ),
+            (11, 13, 15)
         );
         assert_eq!(
-            (ElementType::from_pjrt(0), ElementType::from_pjrt(14)),
+            (ElementType::from_pjrt(0), ElementType::from_pjrt(16)),
             (None, None)
         );
     }

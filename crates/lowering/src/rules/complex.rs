@@ -8,16 +8,19 @@
 //! op declines and falls back to the CPU.
 
 use super::{opmath, promote, same};
-use crate::args::{Arg, TensorArg};
+use crate::args::{Arg, Args, TensorArg};
 use crate::promote::to_float;
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, Value};
 
 /// The real rule of `op` run with tensor argument `name` replaced by `value` (a part or
 /// the magnitude of a complex operand).
 fn real_rule_with(c: &mut Ctx, op: &str, name: &str, value: Value) -> LResult<Vec<Out>> {
-    let Some(rule) = super::lookup(op) else {
-        return user_err(ErrorKind::NotImplemented, format!("no rule for {op}"));
-    };
+    let args = replaced(c, name, value);
+    real_rule_args(c, op, &args)
+}
+
+/// The call's arguments with tensor argument `name` replaced by `value`.
+fn replaced(c: &Ctx, name: &str, value: Value) -> Args {
     let mut args = c.args.clone();
     for (n, a) in args.items.iter_mut() {
         if n == name {
@@ -29,16 +32,59 @@ fn real_rule_with(c: &mut Ctx, op: &str, name: &str, value: Value) -> LResult<Ve
             });
         }
     }
-    let mut sub = Ctx::new(c.b, c.op, c.overload, &args);
+    args
+}
+
+/// The real rule of `op` run on `args`; the RNG it draws from is the call's.
+fn real_rule_args(c: &mut Ctx, op: &str, args: &Args) -> LResult<Vec<Out>> {
+    let Some(rule) = super::lookup(op) else {
+        return user_err(ErrorKind::NotImplemented, format!("no rule for {op}"));
+    };
+    let mut sub = Ctx::new(c.b, c.op, c.overload, args);
     sub.out_dtypes = c.out_dtypes.clone();
+    sub.rng_state = c.rng_state;
+    sub.rng_consumed = c.rng_consumed;
     let outs = rule(&mut sub)?;
-    if !sub.writes.is_empty() || !sub.checks.is_empty() || sub.rng_state.is_some() {
+    if !sub.writes.is_empty() || !sub.checks.is_empty() {
         return user_err(
             ErrorKind::NotImplemented,
             format!("{op}: complex form not modelled"),
         );
     }
+    let (state, consumed) = (sub.rng_state, sub.rng_consumed);
+    c.rng_state = state;
+    c.rng_consumed = consumed;
     Ok(outs)
+}
+
+/// `normal_`/`uniform_` of a complex tensor: its (real, imag) pairs drawn as a real tensor,
+/// as PyTorch does through view_as_real (a normal's std split evenly between the parts).
+fn random_parts(c: &mut Ctx, op: &str) -> LResult<Vec<Out>> {
+    let t = c.args.tensor("self")?.clone();
+    let part = t.dtype.real_part();
+    let mut pairs = t.shape.clone();
+    pairs.push(2);
+    let z = c.b.full(part, &pairs, 0.0);
+    let mut args = replaced(c, "self", z);
+    if op == "aten::normal" {
+        for (n, a) in args.items.iter_mut() {
+            if let (true, Arg::Float(s)) = (n == "std", &a) {
+                *a = Arg::Float(s / std::f64::consts::SQRT_2);
+            }
+        }
+    }
+    let r = real_rule_args(c, op, &args)?;
+    let v = tensor_out(&r[0])?;
+    let rank = pairs.len();
+    let mut limit = pairs.clone();
+    limit[rank - 1] = 1;
+    let re = c.b.slice(v, &vec![0; rank], &limit, &vec![1; rank]);
+    let mut start = vec![0; rank];
+    start[rank - 1] = 1;
+    let im = c.b.slice(v, &start, &pairs, &vec![1; rank]);
+    let re = c.b.reshape(re, &t.shape);
+    let im = c.b.reshape(im, &t.shape);
+    Ok(vec![Out::T(c.b.complex(re, im))])
 }
 
 fn tensor_out(o: &Out) -> LResult<Value> {
@@ -213,6 +259,19 @@ pub const SHARED: &[&str] = &[
     "aten::tanh_backward",
     "aten::col2im",
     "aten::_logcumsumexp",
+    "aten::linspace",
+    "aten::logspace",
+    // LU and triangular solves
+    "aten::linalg_lu_factor_ex",
+    "aten::linalg_lu",
+    "aten::lu_unpack",
+    "aten::linalg_lu_solve",
+    "aten::linalg_inv_ex",
+    "aten::_linalg_det",
+    "aten::_linalg_slogdet",
+    "aten::_linalg_solve_ex",
+    "aten::linalg_solve_triangular",
+    "aten::triangular_solve",
 ];
 
 #[cfg(test)]
@@ -240,6 +299,8 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::complex", complex),
     ("aten::vdot", vdot),
     ("aten::logaddexp", logaddexp),
+    ("aten::normal", |c| random_parts(c, "aten::normal")),
+    ("aten::uniform", |c| random_parts(c, "aten::uniform")),
     ("aten::var", |c| var_std(c, false, false)),
     ("aten::std", |c| var_std(c, true, false)),
     ("aten::var_mean", |c| var_std(c, false, true)),

@@ -56,7 +56,7 @@ pub(super) fn need_square(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
 
 /// The linalg frontends' dtype check (half types are left to `need_kernel`/`no_half`).
 pub(super) fn need_float(op: &str, d: DType) -> LResult<()> {
-    if !d.is_float() {
+    if !d.is_float() && !d.is_complex() {
         return user_err(
             ErrorKind::NotImplemented,
             format!(
@@ -68,9 +68,9 @@ pub(super) fn need_float(op: &str, d: DType) -> LResult<()> {
     Ok(())
 }
 
-/// The dtype dispatch of the CPU kernel `kernel` (float32/float64 only).
+/// The dtype dispatch of the CPU kernel `kernel` (float32/float64 and complex only).
 fn need_kernel(kernel: &str, d: DType) -> LResult<()> {
-    if !d.is_float() || is_half(d) {
+    if !(d.is_float() || d.is_complex()) || is_half(d) {
         return user_err(
             ErrorKind::NotImplemented,
             format!("\"{kernel}\" not implemented for '{}'", torch_name(d)),
@@ -285,6 +285,17 @@ fn lu_factor(b: &mut Builder, a: Value) -> (Value, Value, Value, Value) {
     (out[1], out[2], out[3], out[4])
 }
 
+/// |x| as LAPACK's i?amax ranks pivots: |re| + |im| for complex numbers.
+fn pivot_magnitude(b: &mut Builder, x: Value) -> Value {
+    if !b.dtype(x).is_complex() {
+        return b.abs(x);
+    }
+    let re = b.real(x);
+    let im = b.imag(x);
+    let (re, im) = (b.abs(re), b.abs(im));
+    b.add(re, im)
+}
+
 /// One column of `lu_factor`: carried (j, a, pivots, info, perm).
 fn lu_step(b: &mut Builder, v: &[Value]) -> Vec<Value> {
     let (j, a, piv, info, perm) = (v[0], v[1], v[2], v[3], v[4]);
@@ -298,7 +309,7 @@ fn lu_step(b: &mut Builder, v: &[Value]) -> Vec<Value> {
     let rows = b.iota(DType::I32, &vshape, nb);
     let jv = b.broadcast_in_dim(j, &vshape, &[]);
     let cand = b.compare(rows, jv, CmpDir::Ge);
-    let mag = b.abs(col);
+    let mag = pivot_magnitude(b, col);
     let num = b.compare(mag, mag, CmpDir::Eq);
     let nan_rank = b.splat(mag, -1.0);
     let mag = b.select(num, mag, nan_rank);
@@ -361,12 +372,13 @@ fn lu_step(b: &mut Builder, v: &[Value]) -> Vec<Value> {
     vec![j1, a, piv, info, perm]
 }
 
-/// The LU factors det and slogdet return: the CPU factors A^T when A is contiguous (saving
+/// The LU factors det and slogdet return: the CPU factors A^T when a real A is contiguous (saving
 /// a copy for LAPACK), A itself otherwise, and their backward expects the same choice.
 fn det_lu(c: &mut Ctx, a: Value) -> (Value, Value, Value, Value) {
-    let contiguous = c.is_contiguous("A");
+    // The CPU takes A.mH() for that, which is A^T only for real A: complex A stays.
+    let transposed = c.is_contiguous("A") && !c.b.dtype(a).is_complex();
     let b = &mut *c.b;
-    let x = if contiguous { mt(b, a) } else { a };
+    let x = if transposed { mt(b, a) } else { a };
     lu_factor(b, x)
 }
 
@@ -429,8 +441,10 @@ fn unpack_lu(b: &mut Builder, lu: Value) -> (Value, Value) {
     (l, u)
 }
 
-fn trsm(b: &mut Builder, a: Value, rhs: Value, lower: bool, unit: bool, transpose: bool) -> Value {
-    b.triangular_solve(a, rhs, true, lower, unit, transpose)
+/// Solves op(A) X = B for triangular A; `adjoint` transposes A and conjugates it.
+fn trsm(b: &mut Builder, a: Value, rhs: Value, lower: bool, unit: bool, adjoint: bool) -> Value {
+    let a = if adjoint { b.conj(a) } else { a };
+    b.triangular_solve(a, rhs, true, lower, unit, adjoint)
 }
 
 /// X with A X = B (or A^T X = B with `adjoint`), A = P L U given by its packed factors
@@ -469,9 +483,11 @@ fn lu_solve_values(
     if left {
         return lu_solve_left(b, lu, perm, rhs, adjoint);
     }
-    // X A = B  <=>  A^T X^T = B^T
+    // X A = B  <=>  A^H X^H = B^H (conjugates are no-ops for real dtypes)
     let rt = mt(b, rhs);
+    let rt = b.conj(rt);
     let x = lu_solve_left(b, lu, perm, rt, !adjoint);
+    let x = b.conj(x);
     mt(b, x)
 }
 
@@ -687,13 +703,20 @@ fn slogdet(c: &mut Ctx) -> LResult<Vec<Out>> {
     let b = &mut *c.b;
     let d = diagonal(b, lu);
     let last = b.rank(d) as i64 - 1;
-    // sign(NaN) is 0 in PyTorch: (0 < d) - (d < 0).
-    let z = b.splat(d, 0.0);
-    let pos = b.compare(d, z, CmpDir::Gt);
-    let neg = b.compare(d, z, CmpDir::Lt);
-    let pos = b.convert(pos, a.dtype);
-    let neg = b.convert(neg, a.dtype);
-    let sg = b.sub(pos, neg);
+    let sg = if a.dtype.is_complex() {
+        // The unit phase d / |d| (PyTorch's sgn).
+        let m = b.abs(d);
+        let m = b.convert(m, a.dtype);
+        b.div(d, m)
+    } else {
+        // sign(NaN) is 0 in PyTorch: (0 < d) - (d < 0).
+        let z = b.splat(d, 0.0);
+        let pos = b.compare(d, z, CmpDir::Gt);
+        let neg = b.compare(d, z, CmpDir::Lt);
+        let pos = b.convert(pos, a.dtype);
+        let neg = b.convert(neg, a.dtype);
+        b.sub(pos, neg)
+    };
     let sg = b.reduce(sg, &[last], ReduceKind::Prod);
     let ps = perm_sign(b, piv, a.dtype);
     let sign = b.mul(sg, ps);

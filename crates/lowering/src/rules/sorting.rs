@@ -1232,7 +1232,7 @@ fn triangular_solve(c: &mut Ctx) -> LResult<Vec<Out>> {
             ),
         );
     }
-    if !a.dtype.is_float() {
+    if !a.dtype.is_float() && !a.dtype.is_complex() {
         return user_err(
             ErrorKind::NotImplemented,
             format!(

@@ -375,7 +375,7 @@ fn bound(
             let v = b.convert(t.value, dt);
             Ok(b.reshape(v, &[]))
         }
-        None => Ok(b.constant(dt, a.scalar(name)?.as_f64())),
+        None => Ok(super::full_scalar(b, dt, &[], a.scalar(name)?)),
     }
 }
 
@@ -388,29 +388,37 @@ fn ramp(
     step: stablehlo::Value,
     n: i64,
 ) -> stablehlo::Value {
+    let dt = b.dtype(s);
     let step = b.broadcast_in_dim(step, &[n], &[]);
-    let i = b.iota(DType::F64, &[n], 0);
+    let index = b.iota(DType::F64, &[n], 0);
+    let i = b.convert(index, dt);
     let sb = b.broadcast_in_dim(s, &[n], &[]);
     let eb = b.broadcast_in_dim(e, &[n], &[]);
     let lo = b.mul(i, step);
     let lo = b.add(sb, lo);
-    let last = b.full(DType::F64, &[n], (n - 1) as f64);
+    let last = b.full(dt, &[n], (n - 1) as f64);
     let r = b.sub(last, i);
     let hi = b.mul(r, step);
     let hi = b.sub(eb, hi);
     let half = b.full(DType::F64, &[n], (n / 2).max(1) as f64);
-    let first = b.compare(i, half, stablehlo::CmpDir::Lt);
+    let first = b.compare(index, half, stablehlo::CmpDir::Lt);
     b.select(first, lo, hi)
 }
 
 fn linspace(c: &mut Ctx) -> LResult<Vec<Out>> {
     let n = steps(c)?;
     let dt = factory_dtype(c, DType::F32);
+    // The ramp in double precision (complex128 for complex results).
+    let wide = if dt.is_complex() {
+        DType::C128
+    } else {
+        DType::F64
+    };
     let b = &mut *c.b;
-    let s = bound(b, c.args, "start", DType::F64)?;
-    let e = bound(b, c.args, "end", DType::F64)?;
+    let s = bound(b, c.args, "start", wide)?;
+    let e = bound(b, c.args, "end", wide)?;
     let d = b.sub(e, s);
-    let den = b.constant(DType::F64, (n - 1).max(1) as f64);
+    let den = b.constant(wide, (n - 1).max(1) as f64);
     let step = b.div(d, den);
     let v = ramp(b, s, e, step, n);
     Ok(vec![Out::T(b.convert(v, dt))])
@@ -425,12 +433,17 @@ fn logspace(c: &mut Ctx) -> LResult<Vec<Out>> {
     let b = &mut *c.b;
     let s = bound(b, c.args, "start", dt)?;
     let e = bound(b, c.args, "end", dt)?;
+    let wide = if dt.is_complex() {
+        DType::C128
+    } else {
+        DType::F64
+    };
     let d = b.sub(e, s);
-    let d = b.convert(d, DType::F64);
-    let den = b.constant(DType::F64, (n - 1).max(1) as f64);
+    let d = b.convert(d, wide);
+    let den = b.constant(wide, (n - 1).max(1) as f64);
     let step = b.div(d, den);
-    let s = b.convert(s, DType::F64);
-    let e = b.convert(e, DType::F64);
+    let s = b.convert(s, wide);
+    let e = b.convert(e, wide);
     let x = ramp(b, s, e, step, n);
     let k = b.splat(x, base);
     let v = b.binary("stablehlo.power", k, x);
