@@ -1,4 +1,5 @@
-"""torch.tpu.profiler (device tracks next to torch.profiler's host trace), PyTorch's own
+"""torch.profiler with ProfilerActivity.PrivateUse1 (the shim's Kineto plugin),
+torch.tpu.profiler (device tracks next to torch.profiler's host trace), PyTorch's own
 per-op device time (torch.autograd.profiler with use_device="tpu"), and
 torch.tpu.compiler.custom_compiler_options."""
 
@@ -15,6 +16,41 @@ EM = torch.tpu.EagerMode
 def _new_shape_input():
     # A shape no other test compiles, so its first run is not a cache hit.
     return torch.randn(37, 41, device="tpu")
+
+
+def test_torch_profiler_records_device_runs_through_kineto(tmp_path):
+    """The standard API: key_averages() has device time per op, the Chrome trace has the
+    device's runs as kernel events (device, stream, program source) on the host's clock."""
+    from torch.profiler import ProfilerActivity, profile
+    x = torch.randn(29, 43, device="tpu")  # not _new_shape_input's: that one must compile
+    torch.tpu.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+        y = torch.tanh(x) @ x.T
+        y.cpu()
+    path = tmp_path / "trace.json"
+    prof.export_chrome_trace(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    host = {e["name"]: e for e in events if e.get("cat") == "cpu_op"}
+    assert kernels, "no device activity reached the trace"
+    assert all(e["args"]["device"] == "tpu:0" for e in kernels)
+    assert {e["args"]["program"] for e in kernels} <= {"cache hit", "compiled", "loaded from disk"}
+    names = {e["name"] for e in kernels}
+    if torch.tpu.eager_mode == EM.DEFER_AND_FUSE:
+        assert any(n.startswith("deferred graph") for n in names)
+        return
+    assert {"aten::tanh", "aten::mm"} <= names
+    mm = next(e for e in kernels if e["name"] == "aten::mm")
+    # The device runs the op after the host dispatched it (both on Kineto's clock).
+    assert mm["ts"] >= host["aten::mm"]["ts"] - 1000
+    assert mm["ts"] <= host["aten::mm"]["ts"] + 10e6
+    timed = {e.key: e.self_device_time_total for e in prof.key_averages()
+             if e.self_device_time_total > 0}
+    assert "aten::mm" in timed and "aten::tanh" in timed
+    # Without the PrivateUse1 activity nothing is recorded on the device.
+    with profile(activities=[ProfilerActivity.CPU]) as cpu_only:
+        (x * 2).cpu()
+    assert not [e for e in cpu_only.key_averages() if e.self_device_time_total > 0]
 
 
 def test_device_runs_are_recorded_per_op(tmp_path):

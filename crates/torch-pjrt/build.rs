@@ -20,6 +20,7 @@ fn python() -> String {
 fn main() {
     println!("cargo:rerun-if-changed=shim/shim.cpp");
     println!("cargo:rerun-if-changed=shim/autocast.cpp");
+    println!("cargo:rerun-if-changed=shim/kineto.cpp");
     println!("cargo:rerun-if-changed=shim/tpu_abi.h");
     println!("cargo:rerun-if-env-changed=PYO3_PYTHON");
     let py = python();
@@ -44,7 +45,9 @@ fn main() {
         .std("c++20")
         .file("shim/shim.cpp")
         .file("shim/autocast.cpp")
+        .file("shim/kineto.cpp")
         .include(&include)
+        .include(include.join("kineto"))
         .include("shim")
         .define("_GLIBCXX_USE_CXX11_ABI", "1")
         .flag("-fvisibility=hidden")

@@ -1,7 +1,7 @@
 """``torch.tpu.profiler``: ``torch.profiler.profile`` plus what ran on the device.
 
-PyTorch 2.15 shows a custom device's activities in ``torch.profiler.profile`` only through a
-Kineto plugin (``IActivityProfiler``), which torch_pjrt does not provide. Two ways instead:
+``torch.profiler.profile(activities=[..., ProfilerActivity.PrivateUse1])`` shows the device's
+program runs through the shim's Kineto plugin (``shim/kineto.cpp``). Two more ways:
 
 - ``torch.tpu.profiler.profile(...)`` takes ``torch.profiler.profile``'s arguments and
   records, besides the host's ATen calls, every program the runtime runs: op or graph name,

@@ -23,6 +23,17 @@ pub enum Source {
     Loaded(f64),
 }
 
+impl Source {
+    /// How the program was obtained, in words, and the seconds it took.
+    pub fn describe(self) -> (&'static str, f64) {
+        match self {
+            Source::Hit => ("cache hit", 0.0),
+            Source::Compiled(s) => ("compiled", s),
+            Source::Loaded(s) => ("loaded from disk", s),
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Record {
     pub name: String,

@@ -43,6 +43,7 @@
 
 // autocast.cpp: CUDA's autocast op policy for AutocastPrivateUse1.
 void tpu_register_autocast_policy(torch::Library& m);
+void tpu_register_kineto_profiler();  // kineto.cpp
 
 namespace {
 
@@ -1423,6 +1424,7 @@ void init_locked() {
   static torch::Library* policy =
       new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::AutocastPrivateUse1, __FILE__, __LINE__);
   tpu_register_autocast_policy(*policy);
+  tpu_register_kineto_profiler();
 }
 
 thread_local std::string tl_message;

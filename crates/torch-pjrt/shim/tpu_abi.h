@@ -176,6 +176,14 @@ int32_t tpu_rs_event_elapsed(void* start, void* end, double* ms, TpuError* err);
 // _local_scalar_dense: the single element, as int64 / double / bool by dtype.
 int32_t tpu_rs_item(const TpuTensor* t, TpuRet* out, TpuError* err);
 int32_t tpu_rs_device_count(void);
+
+// The device trace behind the Kineto plugin (kineto.cpp): start recording; wait for queued
+// work, stop and hand each program run to `emit` (times: wall-clock ns since 1970).
+typedef void (*TpuTraceEmit)(void* ctx, const char* name, int32_t device, int32_t stream,
+                             int64_t queued_ns, int64_t start_ns, int64_t end_ns,
+                             const char* source, double source_s);
+void tpu_rs_trace_start(void);
+void tpu_rs_trace_stop(TpuTraceEmit emit, void* ctx);
 int32_t tpu_rs_synchronize(int32_t device_index, TpuError* err);
 // Warns once per op name ("aten::add.out"; no ".overload" when the overload
 // name is empty); returns 0 when the CPU fallback is disabled (err set).

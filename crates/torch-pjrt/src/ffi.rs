@@ -546,6 +546,66 @@ pub unsafe extern "C" fn tpu_rs_synchronize(_device_index: i32, err: *mut TpuErr
     })
 }
 
+/// Starts the device trace (the shim's Kineto plugin: `torch.profiler` with PrivateUse1).
+#[no_mangle]
+pub extern "C" fn tpu_rs_trace_start() {
+    let _ = catch_unwind(runtime::trace::start);
+}
+
+/// One program run of the device trace: name, device, stream, queued/start/end (wall-clock
+/// ns since 1970), how its program was obtained and the seconds that took.
+pub type TraceEmit = unsafe extern "C" fn(
+    ctx: *mut c_void,
+    name: *const c_char,
+    device: i32,
+    stream: i32,
+    queued_ns: i64,
+    start_ns: i64,
+    end_ns: i64,
+    source: *const c_char,
+    source_s: f64,
+);
+
+/// Waits for queued work, stops the device trace and hands each record to `emit`.
+///
+/// # Safety
+/// `emit` is called with `ctx` and pointers valid during the call only.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_trace_stop(emit: Option<TraceEmit>, ctx: *mut c_void) {
+    let records = catch_unwind(|| {
+        if let Ok(rt) = rt() {
+            // A failed job raises at the user's next synchronization, not in the profiler.
+            let _ = rt.synchronize();
+        }
+        runtime::trace::stop()
+    });
+    let (Ok(records), Some(emit)) = (records, emit) else {
+        return;
+    };
+    let base = runtime::trace::epoch_wall_ns() as i64;
+    for r in records {
+        let name = std::ffi::CString::new(r.name.replace('\0', "")).unwrap_or_default();
+        let (kind, secs) = r.source.describe();
+        let kind = std::ffi::CString::new(kind).unwrap_or_default();
+        let at = |t: u64| base + t as i64;
+        // SAFETY: the shim's callback, with the context it passed; the strings live
+        // through the call.
+        unsafe {
+            emit(
+                ctx,
+                name.as_ptr(),
+                r.device as i32,
+                r.stream as i32,
+                at(r.queued),
+                at(r.start),
+                at(r.end),
+                kind.as_ptr(),
+                secs,
+            )
+        };
+    }
+}
+
 /// # Safety
 /// Valid op name and error pointer.
 #[no_mangle]

@@ -202,15 +202,10 @@ fn trace_start() {
 #[pyfunction]
 #[allow(clippy::type_complexity)]
 fn trace_stop() -> Vec<(String, usize, usize, u64, u64, u64, &'static str, f64)> {
-    use runtime::trace::Source;
     runtime::trace::stop()
         .into_iter()
         .map(|r| {
-            let (kind, secs) = match r.source {
-                Source::Hit => ("cache hit", 0.0),
-                Source::Compiled(s) => ("compiled", s),
-                Source::Loaded(s) => ("loaded from disk", s),
-            };
+            let (kind, secs) = r.source.describe();
             (
                 r.name, r.device, r.stream, r.queued, r.start, r.end, kind, secs,
             )

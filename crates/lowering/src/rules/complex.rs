@@ -430,11 +430,21 @@ fn complex(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(c.b.complex(re, im))])
 }
 
-/// PyTorch's check on the parts of `complex`/`polar`.
+/// PyTorch's checks on the parts of `complex`/`polar` (and on an out= tensor).
 fn check_parts_dtype(c: &Ctx, names: [&str; 2]) -> LResult<()> {
     let [a, b] = names.map(|n| c.args.tensor(n).map(|t| t.dtype));
     let (a, b) = (a?, b?);
-    if !a.is_float() || a != b {
+    if a != b {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Expected object of scalar type {} but got scalar type {} for second argument",
+                crate::promote::torch_name(a),
+                crate::promote::torch_name(b)
+            ),
+        );
+    }
+    if !a.is_float() {
         return user_err(
             ErrorKind::Runtime,
             format!(
@@ -443,6 +453,18 @@ fn check_parts_dtype(c: &Ctx, names: [&str; 2]) -> LResult<()> {
                 crate::promote::torch_name(b)
             ),
         );
+    }
+    if let Some(&o) = c.out_dtypes.first() {
+        if o != a.complex_of() {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "Expected object of scalar type {} but got scalar type {} for argument 'out'",
+                    crate::promote::torch_name(a.complex_of()),
+                    crate::promote::torch_name(o)
+                ),
+            );
+        }
     }
     Ok(())
 }
@@ -614,14 +636,19 @@ fn fft_scale(
     Ok(b.mul(x, k))
 }
 
-fn fft_c2c(c: &mut Ctx) -> LResult<Vec<Out>> {
+fn complex_input(c: &Ctx, op: &str) -> LResult<TensorArg> {
     let x = c.args.tensor("self")?.clone();
     if !x.dtype.is_complex() {
         return user_err(
             ErrorKind::Runtime,
-            "_fft_c2c expects a complex input tensor",
+            format!("{op} expects a complex input tensor"),
         );
     }
+    Ok(x)
+}
+
+fn fft_c2c(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let x = complex_input(c, "_fft_c2c")?;
     let dims = fft_dims(c, x.shape.len())?;
     let norm = c.args.int("normalization")?;
     let forward = c.args.bool_or("forward", true);
@@ -668,13 +695,7 @@ fn fft_r2c(c: &mut Ctx) -> LResult<Vec<Out>> {
 }
 
 fn fft_c2r(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let x = c.args.tensor("self")?.clone();
-    if !x.dtype.is_complex() {
-        return user_err(
-            ErrorKind::Runtime,
-            "_fft_c2r expects a complex input tensor",
-        );
-    }
+    let x = complex_input(c, "_fft_c2r")?;
     let dims = fft_dims(c, x.shape.len())?;
     let norm = c.args.int("normalization")?;
     let last_size = c.args.int("last_dim_size")?;

@@ -294,6 +294,10 @@ fn scalar_as(dt: DType, s: Scalar) -> f64 {
 /// 0-d error message.
 fn fill_value(c: &mut Ctx, name: &str, dt: DType, op: &str) -> LResult<Value> {
     match opnd(c, name)? {
+        Opnd::T(v) if v.dtype.is_complex() && !dt.is_complex() => {
+            // Whether the imaginary part is 0 (else PyTorch's overflow error) is data.
+            crate::decline(format!("{op}: a complex value into a real tensor"))
+        }
         Opnd::T(v) => {
             if !v.shape.is_empty() {
                 return user_err(
