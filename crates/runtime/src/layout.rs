@@ -52,19 +52,12 @@ pub fn retype_flat(b: &mut Builder, v: Value, to: DType) -> Option<Value> {
         return Some(b.bitcast_convert(v, to));
     }
     if from.is_complex() && to == from.real_part() {
-        let re = b.real(v);
-        let im = b.imag(v);
-        let re = b.reshape(re, &[n, 1]);
-        let im = b.reshape(im, &[n, 1]);
-        let pairs = b.concatenate(&[re, im], 1);
+        let pairs = b.complex_to_pairs(v);
         return Some(b.reshape(pairs, &[2 * n]));
     }
     if to.is_complex() && from == to.real_part() && n % 2 == 0 {
         let pairs = b.reshape(v, &[n / 2, 2]);
-        let re = b.slice(pairs, &[0, 0], &[n / 2, 1], &[1, 1]);
-        let im = b.slice(pairs, &[0, 1], &[n / 2, 2], &[1, 1]);
-        let c = b.complex(re, im);
-        return Some(b.reshape(c, &[n / 2]));
+        return Some(b.pairs_to_complex(pairs));
     }
     None
 }

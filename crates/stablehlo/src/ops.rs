@@ -283,6 +283,32 @@ impl Builder {
         self.complex(re, nim)
     }
 
+    /// A complex `x` as (real, imag) pairs along a new last dim of size 2.
+    pub fn complex_to_pairs(&mut self, x: Value) -> Value {
+        let mut shape = self.shape(x);
+        shape.push(1);
+        let re = self.real(x);
+        let im = self.imag(x);
+        let re = self.reshape(re, &shape);
+        let im = self.reshape(im, &shape);
+        self.concatenate(&[re, im], shape.len() - 1)
+    }
+
+    /// The complex numbers of (real, imag) pairs along `x`'s last dim (of size 2).
+    pub fn pairs_to_complex(&mut self, x: Value) -> Value {
+        let shape = self.shape(x);
+        let r = shape.len() - 1;
+        let mut limit = shape.clone();
+        limit[r] = 1;
+        let re = self.slice(x, &vec![0; r + 1], &limit, &vec![1; r + 1]);
+        let mut start = vec![0; r + 1];
+        start[r] = 1;
+        let im = self.slice(x, &start, &shape, &vec![1; r + 1]);
+        let re = self.reshape(re, &shape[..r]);
+        let im = self.reshape(im, &shape[..r]);
+        self.complex(re, im)
+    }
+
     /// The imaginary part of a complex `x`.
     pub fn imag(&mut self, x: Value) -> Value {
         let d = self.dtype(x);

@@ -75,16 +75,7 @@ fn random_parts(c: &mut Ctx, op: &str) -> LResult<Vec<Out>> {
     }
     let r = real_rule_args(c, op, &args)?;
     let v = tensor_out(&r[0])?;
-    let rank = pairs.len();
-    let mut limit = pairs.clone();
-    limit[rank - 1] = 1;
-    let re = c.b.slice(v, &vec![0; rank], &limit, &vec![1; rank]);
-    let mut start = vec![0; rank];
-    start[rank - 1] = 1;
-    let im = c.b.slice(v, &start, &pairs, &vec![1; rank]);
-    let re = c.b.reshape(re, &t.shape);
-    let im = c.b.reshape(im, &t.shape);
-    Ok(vec![Out::T(c.b.complex(re, im))])
+    Ok(vec![Out::T(c.b.pairs_to_complex(v))])
 }
 
 fn tensor_out(o: &Out) -> LResult<Value> {
@@ -315,25 +306,16 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::_fft_c2r", fft_c2r),
 ];
 
-/// `self`, promoted to a floating or complex dtype.
-fn operand(c: &mut Ctx) -> LResult<(Value, DType)> {
-    let (v, dt, _) = promote(c, &["self"], to_float)?;
-    Ok((v[0], dt))
-}
-
 /// |x| (a real tensor for complex x).
 fn abs(c: &mut Ctx) -> LResult<Vec<Out>> {
     let (v, _, _) = promote(c, &["self"], same)?;
-    Ok(vec![Out::T(magnitude(c.b, v[0]))])
-}
-
-fn magnitude(b: &mut Builder, x: Value) -> Value {
-    b.abs(x)
+    Ok(vec![Out::T(c.b.abs(v[0]))])
 }
 
 /// The argument of a complex number (0 or pi for reals, as PyTorch's angle).
 fn angle(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let (x, dt) = operand(c)?;
+    let (v, dt, _) = promote(c, &["self"], to_float)?;
+    let x = v[0];
     if !dt.is_complex() {
         return user_err(
             ErrorKind::NotImplemented,
@@ -355,7 +337,7 @@ fn sgn(c: &mut Ctx) -> LResult<Vec<Out>> {
             "sgn: real input reached the complex rule",
         );
     }
-    let m = magnitude(c.b, x);
+    let m = c.b.abs(x);
     let zero = c.b.splat(m, 0.0);
     let is_zero = c.b.compare(m, zero, stablehlo::CmpDir::Eq);
     let mc = c.b.convert(m, dt);
@@ -366,8 +348,7 @@ fn sgn(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 /// conj(x) = re - i*im; a real tensor is its own conjugate.
 fn conj_physical(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let (v, dt, _) = promote(c, &["self"], same)?;
-    let _ = dt;
+    let (v, _, _) = promote(c, &["self"], same)?;
     Ok(vec![Out::T(c.b.conj(v[0]))])
 }
 
@@ -418,16 +399,14 @@ fn polar(c: &mut Ctx) -> LResult<Vec<Out>> {
 fn complex(c: &mut Ctx) -> LResult<Vec<Out>> {
     check_parts_dtype(c, ["real", "imag"])?;
     let (v, dt, _) = promote(c, &["real", "imag"], same)?;
-    let (re, im) = if dt == DType::F32 || dt == DType::F64 {
-        (v[0], v[1])
-    } else {
-        // complex32 has no lowering: PyTorch's float16 parts give complex32.
+    if !matches!(dt, DType::F32 | DType::F64) {
+        // PyTorch's half parts give complex32, which has no lowering.
         return user_err(
             ErrorKind::NotImplemented,
             "complex: float16 parts make a complex32 tensor, which the tpu device does not support",
         );
-    };
-    Ok(vec![Out::T(c.b.complex(re, im))])
+    }
+    Ok(vec![Out::T(c.b.complex(v[0], v[1]))])
 }
 
 /// PyTorch's checks on the parts of `complex`/`polar` (and on an out= tensor).
