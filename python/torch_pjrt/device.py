@@ -10,6 +10,7 @@ import torch
 
 from . import _C
 from . import compiler as compiler  # torch.tpu.compiler
+from . import pallas as pallas  # torch.tpu.pallas
 from . import profiler as profiler  # torch.tpu.profiler
 from .amp import get_amp_supported_dtype, is_bf16_supported  # noqa: F401
 from .memory import *  # noqa: F403

@@ -194,6 +194,45 @@ pw_err* pw_client_create(const void* a, void** client_out) {
   return NULL;
 }
 
+/* The plugin attribute `name` (PJRT_Plugin_Attributes) printed into `buf`: a string as is,
+ * an int64 array joined with '.', a number in decimal. *n = 0 when the plugin has no such
+ * attribute or no PJRT_Plugin_Attributes. */
+pw_err* pw_plugin_attribute(const void* a, const char* name, char* buf, size_t cap, size_t* n) {
+  API;
+  *n = 0;
+  if (!HAS(PJRT_Plugin_Attributes) || cap == 0) return NULL;
+  ARGS(PJRT_Plugin_Attributes_Args, args);
+  TRY(CALL(PJRT_Plugin_Attributes, args));
+  size_t want = strlen(name);
+  for (size_t i = 0; i < args.num_attributes; i++) {
+    const PJRT_NamedValue* v = &args.attributes[i];
+    if (v->name_size != want || memcmp(v->name, name, want) != 0) continue;
+    int w = 0;
+    buf[0] = 0;
+    switch (v->type) {
+      case PJRT_NamedValue_kString:
+        w = snprintf(buf, cap, "%.*s", (int)v->value_size, v->string_value);
+        break;
+      case PJRT_NamedValue_kInt64:
+        w = snprintf(buf, cap, "%lld", (long long)v->int64_value);
+        break;
+      case PJRT_NamedValue_kInt64List:
+        for (size_t j = 0; j < v->value_size && w >= 0 && (size_t)w < cap; j++)
+          w += snprintf(buf + w, cap - w, j ? ".%lld" : "%lld",
+                        (long long)v->int64_array_value[j]);
+        break;
+      case PJRT_NamedValue_kBool:
+        w = snprintf(buf, cap, "%s", v->bool_value ? "true" : "false");
+        break;
+      default:
+        w = snprintf(buf, cap, "%g", (double)v->float_value);
+    }
+    *n = w < 0 ? 0 : ((size_t)w < cap ? (size_t)w : cap - 1);
+    return NULL;
+  }
+  return NULL;
+}
+
 pw_err* pw_client_destroy(const void* a, void* client) {
   API;
   ARGS(PJRT_Client_Destroy_Args, args);

@@ -35,6 +35,7 @@ int pw_trim_host_memory(void);
 pw_err* pw_device_memory(const void* api, void* dev, int64_t* in_use, int64_t* peak, int64_t* limit,
                          int* limit_set);
 pw_err* pw_client_destroy(const void* api, void* client);
+pw_err* pw_plugin_attribute(const void* api, const char* name, char* buf, size_t cap, size_t* n);
 pw_err* pw_client_string(const void* api, void* client, int which, const char** s, size_t* n);
 pw_err* pw_client_devices(const void* api, void* client, void* const** devs, size_t* n);
 pw_err* pw_device_info(const void* api, void* dev, const char** kind, size_t* kind_n, int* id);

@@ -31,6 +31,7 @@ extern "C" {
     pub fn pw_trim_host_memory() -> c_int;
     pub fn pw_device_memory(api: Api, dev: Handle, in_use: *mut i64, peak: *mut i64, limit: *mut i64, limit_set: *mut c_int) -> Err;
     pub fn pw_client_destroy(api: Api, client: Handle) -> Err;
+    pub fn pw_plugin_attribute(api: Api, name: *const c_char, buf: *mut c_char, cap: usize, n: *mut usize) -> Err;
     pub fn pw_client_string(api: Api, client: Handle, which: c_int, s: *mut *const c_char, n: *mut usize) -> Err;
     pub fn pw_client_devices(api: Api, client: Handle, devs: *mut *const Handle, n: *mut usize) -> Err;
     pub fn pw_device_info(api: Api, dev: Handle, kind: *mut *const c_char, kind_n: *mut usize, id: *mut c_int) -> Err;

@@ -201,6 +201,26 @@ impl Plugin {
         &self.path
     }
 
+    /// A plugin attribute (`PJRT_Plugin_Attributes`, e.g. `stablehlo_current_version`) as
+    /// text (int64 lists joined with '.'); None when the plugin does not report it.
+    pub fn attribute(&self, name: &str) -> Result<Option<String>> {
+        let cname = CString::new(name).map_err(|_| invalid("attribute name contains NUL"))?;
+        let mut buf = vec![0u8; 1024];
+        let mut n = 0usize;
+        // SAFETY: `self.api` is a valid PJRT_Api table; `buf` holds `buf.len()` bytes and
+        // the wrapper writes at most that many (NUL included); `n` is a valid out pointer.
+        check(unsafe {
+            ffi::pw_plugin_attribute(
+                self.api,
+                cname.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+                &mut n,
+            )
+        })?;
+        Ok((n > 0).then(|| String::from_utf8_lossy(&buf[..n]).into_owned()))
+    }
+
     /// Runs PJRT_Plugin_Initialize once per process for this plugin.
     fn initialize(&self) -> Result<()> {
         let mut done = INITIALIZED.lock().unwrap_or_else(|p| p.into_inner());

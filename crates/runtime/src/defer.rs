@@ -93,6 +93,8 @@ pub(crate) struct Fragment {
     signature: String,
     rets: Vec<RetShape>,
     rng_consumed: u64,
+    /// Imported kernels' functions it calls (see `Builder::add_func`).
+    kernels: Vec<(String, Arc<str>)>,
 }
 
 impl Graph {
@@ -397,6 +399,7 @@ impl Runtime {
             .map(|i| p.b.param_type(i).clone())
             .collect();
         let f = Arc::new(Fragment {
+            kernels: p.b.funcs().to_vec(),
             text: p.b.func_text(&name, &p.results),
             signature: Builder::call_signature(&param_types, &result_types),
             result_types,
@@ -468,6 +471,9 @@ impl Runtime {
             }
         };
         let vals = b.call_with_signature(&f.name, &args, &f.result_types, &f.signature);
+        for (name, text) in &f.kernels {
+            b.add_func(name, text);
+        }
         let mut index = |f: &Arc<Fragment>| {
             *called.entry(Arc::as_ptr(f) as usize).or_insert_with(|| {
                 funcs.push(f.clone());
@@ -1060,6 +1066,7 @@ impl Runtime {
             results.iter().map(|v| graph.b.ty(*v).clone()).collect();
         let name = hashed_name("graph", graph.b.finish(&results).as_bytes());
         let callee = Arc::new(Fragment {
+            kernels: graph.b.funcs().to_vec(),
             text: graph.b.func_text(&name, &results),
             signature: Builder::call_signature(&param_types, &result_types),
             name,

@@ -1259,7 +1259,7 @@ pub(crate) struct Planned {
 }
 
 pub(crate) enum Plan {
-    Done(Planned),
+    Done(Box<Planned>),
     Declined(String),
     Resize(Vec<(usize, Vec<i64>)>),
 }
@@ -1381,7 +1381,7 @@ pub(crate) fn plan_with(
             msg: c.msg,
         });
     }
-    Ok(Plan::Done(Planned {
+    Ok(Plan::Done(Box::new(Planned {
         result_dims: results.iter().map(|v| b.shape(*v)).collect(),
         b,
         results,
@@ -1389,7 +1389,7 @@ pub(crate) fn plan_with(
         outputs,
         rets: low.rets,
         rng_consumed: src.rng_consumed,
-    }))
+    })))
 }
 
 /// Plans and compiles an op's program; `in_pool`: the compilation runs on the compile pool

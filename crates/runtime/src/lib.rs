@@ -15,6 +15,7 @@ pub mod defer;
 pub mod diskcache;
 pub mod exec;
 pub mod host;
+pub mod kernels;
 pub mod layout;
 pub mod memory;
 pub mod metrics;

@@ -6,7 +6,9 @@
 //! spell a type by hand.
 
 use std::fmt::Write;
+use std::sync::Arc;
 
+pub mod import;
 mod ops;
 pub use ops::{CmpDir, ReduceKind};
 
@@ -200,6 +202,7 @@ pub struct Checkpoint {
     types: usize,
     params: usize,
     body: usize,
+    funcs: usize,
 }
 
 /// Builds one `func.func @main`.
@@ -210,6 +213,9 @@ pub struct Builder {
     bodies: Vec<String>,
     /// Parameters whose buffer may be reused for an output: (parameter, output index).
     aliases: Vec<(Value, usize)>,
+    /// Functions made elsewhere that the body calls (imported kernels): (name, text),
+    /// each name once; printed after `@main`.
+    funcs: Vec<(String, Arc<str>)>,
 }
 
 impl Default for Builder {
@@ -239,6 +245,7 @@ impl Builder {
             params: Vec::new(),
             bodies: vec![String::new()],
             aliases: Vec::new(),
+            funcs: Vec::new(),
         }
     }
 
@@ -273,6 +280,7 @@ impl Builder {
             types: self.types.len(),
             params: self.params.len(),
             body: self.bodies[0].len(),
+            funcs: self.funcs.len(),
         }
     }
 
@@ -282,6 +290,20 @@ impl Builder {
         self.bodies[0].truncate(cp.body);
         self.params.truncate(cp.params);
         self.types.truncate(cp.types);
+        self.funcs.truncate(cp.funcs);
+    }
+
+    /// Adds a function made elsewhere (an imported kernel's) for the body to call; a name
+    /// already added is kept once.
+    pub fn add_func(&mut self, name: &str, text: &Arc<str>) {
+        if !self.funcs.iter().any(|(n, _)| n == name) {
+            self.funcs.push((name.to_string(), text.clone()));
+        }
+    }
+
+    /// The functions added with `add_func`.
+    pub fn funcs(&self) -> &[(String, Arc<str>)] {
+        &self.funcs
     }
 
     /// Lets XLA write output `output` into parameter `param`'s buffer (the caller donates it).
@@ -472,6 +494,9 @@ impl Builder {
         for f in extra {
             s.push_str(f);
         }
+        for (_, f) in &self.funcs {
+            s.push_str(f);
+        }
         s.push_str("}\n");
         s
     }
@@ -514,7 +539,8 @@ impl Builder {
     }
 
     /// Prints the function as `func.func private @name`, to be called from another module.
-    /// Without aliases: only `@main`'s parameters can donate their buffers.
+    /// Without aliases: only `@main`'s parameters can donate their buffers. The functions it
+    /// calls (`funcs`) are not printed: the caller's builder adds them.
     pub fn func_text(&self, name: &str, outputs: &[Value]) -> String {
         self.print_func(
             &format!("func.func private @{name}"),
@@ -535,6 +561,9 @@ impl Builder {
         let mut s = String::from("module @torch_pjrt {\n");
         s.push_str(&self.func("func.func public @main", outputs));
         for f in extra {
+            s.push_str(f);
+        }
+        for (_, f) in &self.funcs {
             s.push_str(f);
         }
         s.push_str("}\n");

@@ -110,6 +110,18 @@ fn _init(search_dirs: Vec<String>) -> PyResult<()> {
 }
 
 /// Limits `device`'s tensors to `fraction` of its memory (torch.OutOfMemoryError past it).
+/// Registers a custom kernel's StableHLO module (generic form); returns its id.
+#[pyfunction]
+fn register_kernel(name: &str, module: &str) -> PyResult<String> {
+    rt()?.register_kernel(name, module).map_err(py_err)
+}
+
+/// A PJRT plugin attribute as text (None when the plugin does not report it).
+#[pyfunction]
+fn plugin_attribute(name: &str) -> PyResult<Option<String>> {
+    rt()?.plugin_attribute(name).map_err(py_err)
+}
+
 #[pyfunction]
 fn set_memory_fraction(device: usize, fraction: f64) -> PyResult<()> {
     runtime::memory::set_fraction(device, fraction).map_err(py_err)
@@ -470,6 +482,8 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_init, m)?)?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(set_memory_fraction, m)?)?;
+    m.add_function(wrap_pyfunction!(register_kernel, m)?)?;
+    m.add_function(wrap_pyfunction!(plugin_attribute, m)?)?;
     m.add_function(wrap_pyfunction!(event_elapsed, m)?)?;
     m.add_function(wrap_pyfunction!(trace_start, m)?)?;
     m.add_function(wrap_pyfunction!(set_compiler_options, m)?)?;

@@ -145,6 +145,7 @@ pub const SHARED: &[&str] = &[
     "aten::clone",
     "torch_pjrt::copy",
     "torch_pjrt::equal",
+    "torch_pjrt::jax_call",
     "aten::cat",
     "aten::flip",
     "aten::roll",

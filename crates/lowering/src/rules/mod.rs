@@ -15,6 +15,7 @@ pub mod amp;
 pub mod attention;
 pub mod complex;
 pub mod convolution;
+pub mod custom;
 pub mod decomp;
 pub mod foreach;
 pub mod index;
@@ -55,6 +56,7 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         decomp::RULES,
         losses::RULES,
         amp::RULES,
+        custom::RULES,
     ]
 }
 
