@@ -67,6 +67,10 @@ def _register():
 
     _install_default_dtype()
     _claim_composite_ops()
+    if torch.distributed.is_available():
+        from .distributed import register as _register_c10d
+
+        _register_c10d()
     # Run backward of tpu tensors on the calling thread: autograd's per-device worker
     # threads outlive the interpreter at exit and abort the process when they drop
     # Python state during finalization.

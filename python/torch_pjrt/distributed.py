@@ -1,0 +1,392 @@
+"""The ``tpu`` c10d backend: torch.distributed's collectives on tpu tensors.
+
+Registered at import as backend ``"tpu"`` for device type ``tpu`` and made the device's
+default, so ``dist.init_process_group()`` under ``torchrun`` (or ``"tpu"``, or
+``"cpu:gloo,tpu:tpu"``) gives tpu tensors a backend. PyTorch's own stack does the rest
+(store, rendezvous, DDP, FSDP2, DTensor, functional collectives).
+
+Transport on the XLA CPU plugin, which has no cross-process collectives: each collective
+reads its tpu inputs to host tensors (waiting for the ops that produce them, flushing
+DeferAndFuse's pending graph), runs Gloo (PyTorch's) on them, and writes the results
+back into the tpu outputs. AVG and PREMUL_SUM, which Gloo refuses, are a SUM scaled on the
+host; bool travels as uint8. The call returns once Gloo has the data; the exchange runs on
+Gloo's threads and its completion (a callback on Gloo's future) writes the results into the
+tpu tensors, so ``async_op=True`` overlaps communication with the caller (DDP's gradient
+buckets), and ``Work.wait()``/``get_future()`` complete when the results are in place.
+"""
+
+import os
+import threading
+
+import torch
+import torch._C._distributed_c10d as _c10d
+import torch.distributed as dist
+from torch._C._distributed_c10d import Backend as _C10dBackend
+from torch._C._distributed_c10d import ReduceOp
+
+__all__ = ["TpuBackend"]
+
+_BACKEND = "tpu"
+
+
+class _Work(dist.Work):
+    """A collective in flight: Gloo's work, then `finish` (writing the results back into the
+    tpu tensors) when it completes. Its future yields `result`."""
+
+    def __init__(self, gloo_work, finish, result):
+        super().__init__()
+        self._result = result
+
+        def done(f):
+            f.value()  # raises Gloo's error, which the chained future then holds
+            if finish is not None:
+                finish()
+            return result
+
+        if gloo_work is None:
+            self._future = torch.futures.Future()
+            self._future.set_result(done(_READY))
+            return
+        try:
+            self._future = gloo_work.get_future().then(done)
+        except RuntimeError:
+            # Gloo's point-to-point works have no future: a thread waits for this one.
+            self._future = torch.futures.Future()
+            threading.Thread(
+                target=_complete, args=(gloo_work, done, self._future), daemon=True
+            ).start()
+
+    def wait(self, timeout=None):
+        self._future.wait()
+        return True
+
+    def is_completed(self):
+        return self._future.done()
+
+    def is_success(self):
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._future.value()
+        except Exception as e:
+            return e
+        return None
+
+    def get_future(self):
+        return self._future
+
+    def result(self):
+        return self._result
+
+
+def _complete(gloo_work, done, future):
+    try:
+        gloo_work.wait()
+        future.set_result(done(_READY))
+    except Exception as e:
+        future.set_exception(e)
+
+
+_READY = torch.futures.Future()
+_READY.set_result(None)
+
+
+def _host(t):
+    """A contiguous host copy of tpu tensor `t` for Gloo (bool as uint8)."""
+    c = t.detach().to("cpu").contiguous()
+    return c.to(torch.uint8) if c.dtype == torch.bool else c
+
+
+def _back(dst, host):
+    """Writes Gloo's result `host` into the tpu tensor `dst`."""
+    if dst.dtype == torch.bool:
+        host = host != 0
+    with torch.no_grad():
+        dst.copy_(host.view(dst.shape) if host.shape != dst.shape else host)
+
+
+def _split_op(op, dtype):
+    """Gloo's reduce op for `op` and a host-side scale applied after it (AVG: 1/world size,
+    PREMUL_SUM: its factor), as (gloo op, factor or None, divide by world size)."""
+    kind = op.op if hasattr(op, "op") else op
+    if kind == ReduceOp.RedOpType.AVG:
+        return ReduceOp.SUM, None, True
+    if kind == ReduceOp.RedOpType.PREMUL_SUM:
+        factor = op.factor if hasattr(op, "factor") else None
+        return ReduceOp.SUM, factor, False
+    if dtype == torch.bool and kind == ReduceOp.RedOpType.SUM:
+        return ReduceOp.MAX, None, False  # logical or, as NCCL's bool sum reads
+    if dtype == torch.bool and kind == ReduceOp.RedOpType.PRODUCT:
+        return ReduceOp.MIN, None, False
+    return op, None, False
+
+
+def _opts(cls, **kw):
+    o = cls()
+    for k, v in kw.items():
+        setattr(o, k, v)
+    return o
+
+
+class TpuBackend(_C10dBackend):
+    """c10d backend for tpu tensors (see the module's docstring)."""
+
+    def __init__(self, store, rank, size, timeout):
+        super().__init__(rank, size)
+        self._rank, self._size, self._timeout = rank, size, timeout
+        prefix = dist.PrefixStore("tpu_gloo/", store)
+        self._gloo = dist.ProcessGroupGloo(prefix, rank, size, timeout)
+        _use_local_device()
+
+    def getBackendName(self):  # noqa: N802 (c10d's name)
+        return _BACKEND
+
+    # C++ reads these through properties that, on a Python subclass, look the same name up
+    # again on the instance: without a Python definition they recurse forever.
+    @property
+    def supports_coalescing(self):
+        return False
+
+    @property
+    def supports_splitting(self):
+        return False
+
+    @property
+    def supports_shrinking(self):
+        return False
+
+    @property
+    def supports_reconfigure(self):
+        return False
+
+    @property
+    def supports_window(self):
+        return False
+
+    @property
+    def _supports_time_estimate(self):
+        return False
+
+    @property
+    def options(self):
+        return _C10dBackend.Options(_BACKEND, self._timeout)
+
+    def name(self):
+        return _BACKEND
+
+    # --- helpers --------------------------------------------------------------------------
+
+    def _reduce(self, tensors, op, launch):
+        """`launch(host_tensors, gloo_op)` on host copies; their results go back into
+        `tensors`, scaled as `op` asks."""
+        hosts = [_host(t) for t in tensors]
+        gop, factor, mean = _split_op(op, tensors[0].dtype if tensors else None)
+        if factor is not None:
+            f = factor.item() if isinstance(factor, torch.Tensor) else factor
+            hosts = [h.mul_(f) if h.is_floating_point() else h for h in hosts]
+        size = self._size
+
+        def finish():
+            for t, h in zip(tensors, hosts, strict=True):
+                if mean:
+                    h = h / size if h.is_floating_point() else h // size
+                _back(t, h)
+
+        return _Work(launch(hosts, gop), finish, list(tensors))
+
+    @staticmethod
+    def _copy_back(outputs, hosts):
+        def finish():
+            for o, h in zip(outputs, hosts, strict=True):
+                _back(o, h)
+
+        return finish
+
+    # --- collectives (c10d's Backend method names) ----------------------------------------
+
+    def allreduce(self, tensors, opts):
+        return self._reduce(
+            tensors,
+            opts.reduceOp,
+            lambda h, op: self._gloo.allreduce(h, _opts(_c10d.AllreduceOptions, reduceOp=op)),
+        )
+
+    def allreduce_coalesced(self, tensors, opts):
+        return self._reduce(
+            tensors,
+            opts.reduceOp,
+            lambda h, op: self._gloo.allreduce_coalesced(
+                h, _opts(_c10d.AllreduceCoalescedOptions, reduceOp=op)
+            ),
+        )
+
+    def reduce(self, tensors, opts):
+        root = opts.rootRank
+        launch = lambda h, op: self._gloo.reduce(  # noqa: E731
+            h, _opts(_c10d.ReduceOptions, reduceOp=op, rootRank=root)
+        )
+        if self._rank == root:
+            return self._reduce(tensors, opts.reduceOp, launch)
+        # Only the root's tensor changes.
+        hosts = [_host(t) for t in tensors]
+        gop, factor, _ = _split_op(opts.reduceOp, tensors[0].dtype)
+        if factor is not None:
+            f = factor.item() if isinstance(factor, torch.Tensor) else factor
+            hosts = [h.mul_(f) if h.is_floating_point() else h for h in hosts]
+        return _Work(launch(hosts, gop), None, list(tensors))
+
+    def broadcast(self, tensors, opts):
+        hosts = [_host(t) for t in tensors]
+        work = self._gloo.broadcast(
+            hosts, _opts(_c10d.BroadcastOptions, rootRank=opts.rootRank, rootTensor=opts.rootTensor)
+        )
+        finish = None if self._rank == opts.rootRank else self._copy_back(tensors, hosts)
+        return _Work(work, finish, list(tensors))
+
+    def allgather(self, output_tensors, input_tensors, opts):
+        outs = [[_host(o) for o in lst] for lst in output_tensors]
+        ins = [_host(t) for t in input_tensors]
+        work = self._gloo.allgather(outs, ins, _c10d.AllgatherOptions())
+        flat_t = [o for lst in output_tensors for o in lst]
+        flat_h = [h for lst in outs for h in lst]
+        return _Work(work, self._copy_back(flat_t, flat_h), output_tensors)
+
+    def all_gather_single(self, output, input, opts):
+        out, inp = _host(output), _host(input)
+        work = self._gloo._allgather_base(out, inp, _c10d.AllgatherOptions())
+        return _Work(work, self._copy_back([output], [out]), [output])
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return _All(works, list(outputs))
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts):
+        return self.allgather(output_lists, input_tensors, opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        # Gloo has no reduce_scatter: an allreduce of each rank's stacked inputs, of which
+        # each rank keeps its own row.
+        works = []
+        for out, ins in zip(output_tensors, input_tensors, strict=True):
+            stacked = torch.stack([i.detach() for i in ins])
+            w = self._reduce(
+                [stacked],
+                opts.reduceOp,
+                lambda h, op: self._gloo.allreduce(h, _opts(_c10d.AllreduceOptions, reduceOp=op)),
+            )
+            works.append(_Then(w, lambda out=out, row=stacked[self._rank]: _assign(out, row)))
+        return _All(works, list(output_tensors))
+
+    def reduce_scatter_single(self, output, input, opts):
+        pieces = list(input.detach().reshape(self._size, *output.shape).unbind(0))
+        return self.reduce_scatter([output], [pieces], opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        works = [
+            self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)
+        ]
+        return _All(works, list(outputs))
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        out, inp = _host(output), _host(input)
+        work = self._gloo.alltoall_base(
+            out, inp, list(output_split_sizes), list(input_split_sizes), _c10d.AllToAllOptions()
+        )
+        return _Work(work, self._copy_back([output], [out]), [output])
+
+    def alltoall(self, output_tensors, input_tensors, opts):
+        outs = [_host(o) for o in output_tensors]
+        ins = [_host(i) for i in input_tensors]
+        work = self._gloo.alltoall(outs, ins, _c10d.AllToAllOptions())
+        return _Work(work, self._copy_back(output_tensors, outs), list(output_tensors))
+
+    def gather(self, output_tensors, input_tensors, opts):
+        outs = [[_host(o) for o in lst] for lst in output_tensors]
+        ins = [_host(t) for t in input_tensors]
+        work = self._gloo.gather(outs, ins, _opts(_c10d.GatherOptions, rootRank=opts.rootRank))
+        flat_t = [o for lst in output_tensors for o in lst]
+        flat_h = [h for lst in outs for h in lst]
+        return _Work(work, self._copy_back(flat_t, flat_h), output_tensors)
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        outs = [_host(o) for o in output_tensors]
+        ins = [[_host(t) for t in lst] for lst in input_tensors]
+        work = self._gloo.scatter(outs, ins, _opts(_c10d.ScatterOptions, rootRank=opts.rootRank))
+        return _Work(work, self._copy_back(output_tensors, outs), list(output_tensors))
+
+    def send(self, tensors, dst, tag):
+        hosts = [_host(t) for t in tensors]
+        # `hosts` stays referenced by the work's callback until Gloo has sent it.
+        return _Work(self._gloo.send(hosts, dst, tag), lambda: hosts, list(tensors))
+
+    def recv(self, tensors, src, tag):
+        hosts = [_host(t) for t in tensors]
+        return _Work(self._gloo.recv(hosts, src, tag), self._copy_back(tensors, hosts), list(tensors))
+
+    def barrier(self, opts):
+        torch.tpu.synchronize()
+        return _Work(self._gloo.barrier(_c10d.BarrierOptions()), None, [])
+
+
+def _assign(dst, src):
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+class _Then(_Work):
+    """`work`, then `fn` once it completed."""
+
+    def __init__(self, work, fn):
+        dist.Work.__init__(self)
+        self._result = work.result()
+
+        def done(f):
+            f.value()
+            fn()
+            return self._result
+
+        self._future = work.get_future().then(done)
+
+
+class _All(_Work):
+    """Several works as one: complete when all are."""
+
+    def __init__(self, works, result):
+        dist.Work.__init__(self)
+        self._result = result
+        futs = torch.futures.collect_all([w.get_future() for w in works])
+
+        def done(f):
+            for x in f.value():
+                x.value()
+            return result
+
+        self._future = futs.then(done)
+
+
+def _use_local_device():
+    """Under a launcher that sets LOCAL_RANK (torchrun), each rank's `tpu` is its local
+    device, as each rank's `cuda` is with NCCL: tpu:LOCAL_RANK (modulo the devices), unless
+    the script already chose one."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None or torch.tpu.current_device() != 0:
+        return
+    torch.tpu.set_device(int(local) % torch.tpu.device_count())
+
+
+def _create(store, rank, size, timeout):
+    return TpuBackend(store, rank, size, timeout)
+
+
+def register():
+    """Registers the backend (once) and makes it tpu's default."""
+    if _BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(_BACKEND, _create, devices=["tpu"])
+    dist.Backend.default_device_backend_map["tpu"] = _BACKEND

@@ -1,0 +1,376 @@
+"""torch.distributed on tpu: the c10d backend, compared with Gloo on CPU tensors and with a
+single process. Each test spawns its ranks (world size 2 or 4), in the eager mode the suite
+runs in; a rank writes its results to a file the test reads."""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import assert_close
+
+import torch_pjrt  # noqa: F401
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "bench"))
+
+
+def _init(rank, world, path, backend=None):
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        backend=backend, init_method=f"file://{path}", rank=rank, world_size=world
+    )
+    dev = torch.device("tpu", rank % torch.tpu.device_count())
+    torch.tpu.set_device(dev)
+    return dev
+
+
+def _run(fn, world, *args):
+    """Spawns `world` ranks running fn(rank, world, store_path, out_path, *args); returns
+    each rank's JSON result."""
+    with tempfile.TemporaryDirectory() as d:
+        store = os.path.join(d, "store")
+        mp.spawn(fn, args=(world, store, d, *args), nprocs=world, join=True)
+        out = []
+        for r in range(world):
+            with open(os.path.join(d, f"{r}.json")) as f:
+                out.append(json.load(f))
+        return out
+
+
+def _dump(d, rank, obj):
+    with open(os.path.join(d, f"{rank}.json"), "w") as f:
+        json.dump(obj, f)
+
+
+# --- collectives against Gloo on CPU tensors ---------------------------------------------
+
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "bool": torch.bool,
+}
+
+
+def _data(rank, shape, dtype, salt=0):
+    g = torch.Generator().manual_seed(1000 * rank + salt)
+    if dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(-5, 6, shape, generator=g, dtype=dtype)
+
+
+def _collectives(rank, world, store, d):
+    dev = _init(rank, world, store)
+    cpu_group = dist.new_group(backend="gloo")
+    results = {}
+
+    def both(name, fn):
+        """fn(device, group) -> list of tensors; run on tpu (default group) and on CPU
+        tensors through Gloo; records whether they agree."""
+        if os.environ.get("TORCH_PJRT_DIST_TRACE"):
+            print(rank, name, flush=True)
+        t = [x.cpu() for x in fn(dev, None)]
+        c = fn(torch.device("cpu"), cpu_group)
+        ok = all(
+            a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.allclose(a.double(), b.double(), rtol=1e-2, atol=1e-2)
+            for a, b in zip(t, c, strict=True)
+        )
+        results[name] = ok
+
+    for dname, dt in DTYPES.items():
+        ops = [dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN]
+        if dt != torch.bool:
+            ops.append(dist.ReduceOp.PRODUCT)
+        if dt in (torch.int64, torch.int32):
+            ops += [dist.ReduceOp.BAND, dist.ReduceOp.BOR, dist.ReduceOp.BXOR]
+        for op in ops:
+
+            def ar(device, group, op=op, dt=dt):
+                x = _data(rank, (3, 5), dt).to(device)
+                dist.all_reduce(x, op=op, group=group)
+                return [x]
+
+            both(f"all_reduce {op} {dname}", ar)
+
+        def bc(device, group, dt=dt):
+            x = _data(rank, (4,), dt).to(device)
+            dist.broadcast(x, src=world - 1, group=group)
+            return [x]
+
+        def ag(device, group, dt=dt):
+            outs = [torch.zeros(2, 3, dtype=dt, device=device) for _ in range(world)]
+            dist.all_gather(outs, _data(rank, (2, 3), dt).to(device), group=group)
+            return outs
+
+        def agt(device, group, dt=dt):
+            out = torch.zeros(world * 2, 3, dtype=dt, device=device)
+            dist.all_gather_into_tensor(out, _data(rank, (2, 3), dt).to(device), group=group)
+            return [out]
+
+        both(f"broadcast {dname}", bc)
+        both(f"all_gather {dname}", ag)
+        both(f"all_gather_into_tensor {dname}", agt)
+
+    for dname in ("float32", "bfloat16", "int64"):
+        dt = DTYPES[dname]
+
+        def rst(device, group, dt=dt):
+            out = torch.zeros(3, dtype=dt, device=device)
+            dist.reduce_scatter_tensor(out, _data(rank, (world * 3,), dt).to(device), group=group)
+            return [out]
+
+        def rs(device, group, dt=dt):
+            out = torch.zeros(3, dtype=dt, device=device)
+            ins = [_data(rank, (3,), dt, salt=i).to(device) for i in range(world)]
+            dist.reduce_scatter(out, ins, group=group) if device.type == "tpu" else None
+            if device.type == "cpu":
+                # Gloo has no reduce_scatter: the same result from an all_reduce.
+                full = torch.stack([_data(rank, (3,), dt, salt=i) for i in range(world)])
+                dist.all_reduce(full, group=group)
+                out = full[rank].clone()
+            return [out]
+
+        def a2a(device, group, dt=dt):
+            inp = _data(rank, (world * 2, 2), dt).to(device)
+            out = torch.zeros_like(inp)
+            dist.all_to_all_single(out, inp, group=group)
+            return [out]
+
+        def a2a_uneven(device, group, dt=dt):
+            # rank r sends r + 1 rows to each peer
+            ins = [r + 1 for r in [rank] * world]
+            outs = [p + 1 for p in range(world)]
+            inp = _data(rank, (sum(ins), 2), dt).to(device)
+            out = torch.zeros(sum(outs), 2, dtype=dt, device=device)
+            dist.all_to_all_single(out, inp, outs, ins, group=group)
+            return [out]
+
+        def red(device, group, dt=dt):
+            x = _data(rank, (4,), dt).to(device)
+            dist.reduce(x, dst=0, group=group)
+            # Other ranks' tensors: Gloo uses them as scratch; tpu leaves them as they were
+            # (as NCCL does).
+            return [x] if rank == 0 else []
+
+        def gat(device, group, dt=dt):
+            x = _data(rank, (2,), dt).to(device)
+            outs = [torch.zeros(2, dtype=dt, device=device) for _ in range(world)] if rank == 0 else None
+            dist.gather(x, outs, dst=0, group=group)
+            return outs or [x]
+
+        def sca(device, group, dt=dt):
+            out = torch.zeros(2, dtype=dt, device=device)
+            ins = [_data(9, (2,), dt, salt=i).to(device) for i in range(world)] if rank == 0 else None
+            dist.scatter(out, ins, src=0, group=group)
+            return [out]
+
+        def noncontig(device, group, dt=dt):
+            x = _data(rank, (4, 6), dt).to(device).t()
+            dist.all_reduce(x, group=group)
+            return [x.contiguous()]
+
+        for name, fn in [("reduce_scatter_tensor", rst), ("reduce_scatter", rs),
+                         ("all_to_all_single", a2a), ("all_to_all_single uneven", a2a_uneven),
+                         ("reduce", red), ("gather", gat), ("scatter", sca),
+                         ("all_reduce non-contiguous", noncontig)]:
+            both(f"{name} {dname}", fn)
+
+    def p2p(device, group):
+        x = _data(rank, (3,), torch.float32).to(device)
+        peer = (rank + 1) % world
+        src = (rank - 1) % world
+        out = torch.zeros(3, device=device)
+        ops = [dist.P2POp(dist.isend, x, peer, group=group), dist.P2POp(dist.irecv, out, src, group=group)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+        return [out]
+
+    both("batch_isend_irecv", p2p)
+
+    # AVG and PREMUL_SUM (Gloo has neither): against SUM on the CPU.
+    x = _data(rank, (5,), torch.float32)
+    s = x.clone()
+    dist.all_reduce(s, group=cpu_group)
+    t = x.to(dev)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    results["all_reduce AVG"] = torch.allclose(t.cpu(), s / world, atol=1e-6)
+    t = x.to(dev)
+    dist.all_reduce(t, op=dist._make_nccl_premul_sum(0.25))
+    results["all_reduce PREMUL_SUM"] = torch.allclose(t.cpu(), s * 0.25, atol=1e-6)
+    w = dist.all_reduce(x.to(dev), async_op=True)
+    # (Work.is_completed() of a Python backend's work stays False: c10d's Python Work
+    # forwards only wait() and get_future().)
+    results["async Work"] = bool(w.wait()) and w.get_future().done()
+    dist.barrier()
+    _dump(d, rank, results)
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_collectives_match_gloo_on_cpu(world):
+    results = _run(_collectives, world)
+    for r, res in enumerate(results):
+        bad = [k for k, ok in res.items() if not ok]
+        assert not bad, f"rank {r}: {bad}"
+    assert len(results[0]) >= 75  # every case ran
+
+
+# --- DDP ------------------------------------------------------------------------------
+
+STEPS, BATCH, SEQ, VOCAB = 20, 4, 16, 64
+
+
+def _gpt(device):
+    import models
+
+    torch.manual_seed(0)
+    return models.GPT(VOCAB, d_model=32, n_heads=2, n_layers=1, seq_len=SEQ).to(device)
+
+
+def _batches(world):
+    g = torch.Generator().manual_seed(7)
+    return [
+        (torch.randint(0, VOCAB, (BATCH * world, SEQ), generator=g),
+         torch.randint(0, VOCAB, (BATCH * world, SEQ), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _ddp(rank, world, store, d, hook):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = _init(rank, world, store)
+    model = _gpt(dev)
+    ddp = DDP(model)
+    if hook == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    losses = []
+    for x, y in _batches(world):
+        xs = x[rank * BATCH:(rank + 1) * BATCH].to(dev)
+        ys = y[rank * BATCH:(rank + 1) * BATCH].to(dev)
+        out = ddp(xs)
+        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), ys.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rep = loss.detach().clone()
+        dist.all_reduce(rep, op=dist.ReduceOp.AVG)
+        losses.append(rep.item())
+    _dump(d, rank, {"losses": losses, "w": model.head.weight.detach().cpu().flatten()[:64].tolist()})
+    dist.destroy_process_group()
+
+
+def _single(world):
+    dev = torch.device("tpu")
+    model = _gpt(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in _batches(world):
+        out = model(x.to(dev))
+        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), y.to(dev).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.head.weight.detach().cpu().flatten()[:64].tolist()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ddp_trains_like_one_process_on_the_whole_batch(world):
+    results = _run(_ddp, world, "none")
+    want, w = _single(world)
+    for r in results:
+        assert_close(torch.tensor(r["losses"]), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        assert_close(torch.tensor(r["w"]), torch.tensor(w), rtol=1e-4, atol=1e-5)
+
+
+def test_ddp_with_a_bf16_compression_hook():
+    results = _run(_ddp, 2, "bf16")
+    want, _ = _single(2)
+    # bfloat16 gradients: close to the float32 run, not equal.
+    assert_close(torch.tensor(results[0]["losses"]), torch.tensor(want), rtol=2e-2, atol=2e-2)
+    assert results[0]["losses"] == results[1]["losses"]
+
+
+# --- torchrun ------------------------------------------------------------------------------
+
+
+_TORCHRUN_SCRIPT = """
+import os, torch, torch_pjrt, torch.distributed as dist
+torch.set_num_threads(1)
+rank = int(os.environ["LOCAL_RANK"])
+forms = ({}, {"backend": "tpu"},
+         {"backend": "cpu:gloo,tpu:tpu", "device_id": torch.device("tpu", rank)})
+for kwargs in forms[: int(os.environ.get("FORMS", "3"))]:
+    dist.init_process_group(**kwargs)
+    t = torch.full((3,), float(dist.get_rank() + 1), device="tpu")
+    dist.all_reduce(t)
+    c = torch.ones(2) * 2
+    # CPU tensors need a CPU backend: PyTorch 2.15's default and "tpu" (like "nccl") give
+    # only the accelerator's.
+    if "cpu:gloo" in kwargs.get("backend", ""):
+        dist.all_reduce(c, op=dist.ReduceOp.MAX)  # CPU tensors: Gloo
+    print("RESULT", dist.get_rank(), t.device, t.cpu().tolist(), c.tolist(), flush=True)
+    dist.destroy_process_group()
+"""
+
+
+def _torchrun(args, script, env=None):
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *args, str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env=dict(os.environ, **(env or {})),
+    )
+
+
+def _results(procs, timeout=300):
+    lines = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, err[-3000:]
+        lines += [ln for ln in out.splitlines() if ln.startswith("RESULT")]
+    return sorted(lines)
+
+
+def test_torchrun_each_rank_uses_its_local_device(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    got = _results([_torchrun(["--standalone", "--nproc-per-node", "2"], script)])
+    assert got == ["RESULT 0 tpu:0 [3.0, 3.0, 3.0] [2.0, 2.0]"] * 3 + [
+        "RESULT 1 tpu:1 [3.0, 3.0, 3.0] [2.0, 2.0]"
+    ] * 3
+
+
+def test_torchrun_two_nodes_through_c10d_rendezvous(tmp_path):
+    import socket
+
+    script = tmp_path / "train.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "tpu-test"]
+    # One init per run: the agents' rendezvous store is torn down as they finish.
+    env = {"FORMS": "1"}
+    got = _results([_torchrun(args, script, env), _torchrun(args, script, env)])
+    # One process per node: each is local rank 0, so each uses its tpu:0.
+    assert got == [
+        "RESULT 0 tpu:0 [3.0, 3.0, 3.0] [2.0, 2.0]",
+        "RESULT 1 tpu:0 [3.0, 3.0, 3.0] [2.0, 2.0]",
+    ]
