@@ -374,3 +374,266 @@ def test_torchrun_two_nodes_through_c10d_rendezvous(tmp_path):
         "RESULT 0 tpu:0 [3.0, 3.0, 3.0] [2.0, 2.0]",
         "RESULT 1 tpu:0 [3.0, 3.0, 3.0] [2.0, 2.0]",
     ]
+
+
+# --- FSDP2, DTensor, tensor parallelism, checkpoints -------------------------------------
+
+
+def _train_sharded(rank, world, store, d, kind):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    dev = _init(rank, world, store)
+    model = _gpt(dev)
+    dp_rank, dp_size = rank, world
+    if kind in ("fsdp", "fsdp_bf16", "fsdp_keep"):
+        mesh = init_device_mesh("tpu", (world,))
+        mp_policy = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if kind == "fsdp_bf16" else None
+        )
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh, mp_policy=mp_policy,
+                        reshard_after_forward=kind != "fsdp_keep")
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    elif kind == "hsdp":
+        mesh = init_device_mesh("tpu", (2, world // 2), mesh_dim_names=("rep", "shard"))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif kind == "tp":
+        # Every rank sees the whole batch; the MLPs are split across ranks.
+        mesh = init_device_mesh("tpu", (world,))
+        for b in model.blocks:
+            parallelize_module(b, mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        dp_rank, dp_size = 0, 1
+    elif kind == "fsdp_tp":
+        mesh = init_device_mesh("tpu", (2, world // 2), mesh_dim_names=("dp", "tp"))
+        for b in model.blocks:
+            parallelize_module(b, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+            fully_shard(b, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        dp_rank, dp_size = mesh.get_local_rank("dp"), 2
+    # TP alone leaves plain tensors next to DTensors: PyTorch's foreach kernels refuse the mix.
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=kind != "tp")
+    losses = []
+    n = BATCH * world // dp_size
+    for x, y in _batches(world):
+        xs = x[dp_rank * n:(dp_rank + 1) * n].to(dev)
+        ys = y[dp_rank * n:(dp_rank + 1) * n].to(dev)
+        out = model(xs)
+        loss = torch.nn.functional.cross_entropy(out.float().flatten(0, 1), ys.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rep = loss.detach().clone()
+        dist.all_reduce(rep, op=dist.ReduceOp.AVG)
+        losses.append(rep.item())
+    w = model.head.weight
+    if isinstance(w, DTensor):
+        w = w.full_tensor()
+    _dump(d, rank, {"losses": losses, "w": w.detach().cpu().flatten()[:64].tolist()})
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "kind,world",
+    [("fsdp", 2), ("fsdp_keep", 2), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4)],
+)
+def test_sharded_training_matches_one_process(kind, world):
+    results = _run(_train_sharded, world, kind)
+    want, w = _single(world)
+    for r in results:
+        assert_close(torch.tensor(r["losses"]), torch.tensor(want), rtol=1e-5, atol=1e-5)
+        assert_close(torch.tensor(r["w"]), torch.tensor(w), rtol=1e-4, atol=1e-4)
+
+
+def test_fsdp2_bfloat16_parameters():
+    results = _run(_train_sharded, 2, "fsdp_bf16")
+    want, _ = _single(2)
+    assert_close(torch.tensor(results[0]["losses"]), torch.tensor(want), rtol=3e-2, atol=3e-2)
+
+
+def _dtensor_ops(rank, world, store, d):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+    _init(rank, world, store)
+    mesh = init_device_mesh("tpu", (world,))
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    res = {}
+    s = distribute_tensor(full.to("tpu"), mesh, [Shard(0)])
+    res["local shard"] = s.to_local().cpu().tolist() == full[rank * 2:(rank + 1) * 2].tolist()
+    r = s.redistribute(mesh, [Replicate()])
+    res["replicate"] = r.to_local().cpu().tolist() == full.tolist()
+    s1 = r.redistribute(mesh, [Shard(1)])
+    res["shard 1"] = s1.to_local().cpu().tolist() == full[:, rank * 3:(rank + 1) * 3].tolist()
+    # Each rank holds a part of a sum: Partial -> Replicate is an all_reduce, -> Shard a
+    # reduce_scatter.
+    part = DTensor.from_local((full * (rank + 1)).to("tpu"), mesh, [Partial()])
+    total = full * sum(range(1, world + 1))
+    res["partial"] = part.full_tensor().cpu().tolist() == total.tolist()
+    sh = part.redistribute(mesh, [Shard(0)]).to_local().cpu()
+    res["partial to shard"] = sh.tolist() == total[rank * 2:(rank + 1) * 2].tolist()
+    mm = (s @ distribute_tensor(full.t().contiguous().to("tpu"), mesh, [Replicate()]))
+    res["matmul"] = torch.allclose(mm.full_tensor().cpu(), full @ full.t())
+    _dump(d, rank, res)
+    dist.destroy_process_group()
+
+
+def test_dtensor_placements_and_redistribution():
+    for r, res in enumerate(_run(_dtensor_ops, 2)):
+        assert all(res.values()), (r, res)
+
+
+def _checkpoint(rank, world, store, d, phase):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dev = _init(rank, world, store)
+    mesh = init_device_mesh("tpu", (world,))
+    model = _gpt(dev)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ckpt = os.path.join(os.path.dirname(store), "..", "ckpt")
+    batches = _batches(world)
+    start = 0
+    if phase == "resume":
+        msd, osd = get_state_dict(model, opt)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=ckpt)
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        start = 5
+    losses = []
+    for i in range(start, 10):
+        x, y = batches[i]
+        xs, ys = x[rank * BATCH:(rank + 1) * BATCH].to(dev), y[rank * BATCH:(rank + 1) * BATCH].to(dev)
+        loss = torch.nn.functional.cross_entropy(model(xs).flatten(0, 1), ys.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rep = loss.detach().clone()
+        dist.all_reduce(rep, op=dist.ReduceOp.AVG)
+        losses.append(rep.item())
+        if phase == "save" and i == 4:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=ckpt)
+    _dump(d, rank, {"losses": losses})
+    dist.destroy_process_group()
+
+
+def test_distributed_checkpoint_resumes_the_same_losses(tmp_path):
+    whole = _run(_checkpoint, 2, "save")
+    resumed = _run(_checkpoint, 2, "resume")
+    assert_close(torch.tensor(resumed[0]["losses"]), torch.tensor(whole[0]["losses"][5:]),
+                 rtol=1e-5, atol=1e-6)
+
+
+# --- MPMD: ranks that run different programs between collectives --------------------------
+
+
+def _mpmd(rank, world, store, d, diverge):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    dev = _init(rank, world, store)
+    model = _gpt(dev)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    losses, evals = [], []
+    held_out = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(3))
+    for i, (x, y) in enumerate(_batches(world)[:8]):
+        xs = x[rank * BATCH:(rank + 1) * BATCH].to(dev)
+        ys = y[rank * BATCH:(rank + 1) * BATCH].to(dev)
+        loss = torch.nn.functional.cross_entropy(ddp(xs).flatten(0, 1), ys.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if diverge and rank == 0 and i % 3 == 0:
+            # Rank 0 alone: evaluation, host reads and a checkpoint, other ops entirely.
+            with torch.no_grad():
+                logits = model(held_out.to(dev))
+                evals.append(logits.float().softmax(-1).max().item())
+            torch.save({k: v.cpu() for k, v in model.state_dict().items()},
+                       os.path.join(d, "mpmd.pt"))
+        elif diverge and rank == 1:
+            _ = (torch.randn(16, 16, device=dev) @ torch.randn(16, 16, device=dev)).sum().item()
+        rep = loss.detach().clone()
+        dist.all_reduce(rep, op=dist.ReduceOp.AVG)
+        losses.append(rep.item())
+    _dump(d, rank, {"losses": losses, "evals": evals})
+    dist.destroy_process_group()
+
+
+def test_mpmd_ranks_diverge_between_collectives():
+    same = _run(_mpmd, 2, False)
+    diverged = _run(_mpmd, 2, True)
+    assert len(diverged[0]["evals"]) == 3 and not diverged[1]["evals"]
+    for r in range(2):
+        assert diverged[r]["losses"] == same[r]["losses"]
+
+
+# --- faults ----------------------------------------------------------------------------------
+
+
+def _fault(rank, world, store, d, kind):
+    import datetime
+
+    torch.set_num_threads(1)
+    dist.init_process_group(init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20))
+    dev = torch.device("tpu", rank)
+    torch.tpu.set_device(dev)
+    dist.barrier()
+    import time
+
+    t0 = time.monotonic()
+    err = None
+    try:
+        if kind == "shape":
+            dist.all_reduce(torch.ones(3 + rank, device=dev))
+        elif kind == "dtype":
+            dist.all_reduce(torch.ones(3, device=dev, dtype=torch.float32 if rank else torch.int32))
+        elif kind == "device":
+            dist.all_reduce(torch.ones(3))  # a CPU tensor on the tpu backend alone
+        elif kind == "killed":
+            if rank == 1:
+                os._exit(3)
+            dist.all_reduce(torch.ones(3, device=dev))
+        torch.tpu.synchronize()
+    except Exception as e:  # what a user catches
+        err = f"{type(e).__name__}: {e}"
+    _dump(d, rank, {"error": err, "seconds": time.monotonic() - t0})
+    os._exit(0)
+
+
+@pytest.mark.parametrize("kind", ["shape", "dtype", "device"])
+def test_mismatched_collectives_raise_within_the_timeout(kind):
+    for r, res in enumerate(_run(_fault, 2, kind)):
+        assert res["error"], f"rank {r} did not raise"
+        assert res["seconds"] < 60, res
+        if kind == "device":
+            assert "No backend type associated with device type cpu" in res["error"]
+        else:
+            assert "all_reduce: the ranks' calls do not match" in res["error"], res
+
+
+def test_a_killed_rank_makes_the_others_raise():
+    with tempfile.TemporaryDirectory() as d:
+        store = os.path.join(d, "store")
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_fault, args=(r, 2, store, d, "killed")) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        assert procs[1].exitcode == 3
+        with open(os.path.join(d, "0.json")) as f:
+            res = json.load(f)
+    assert res["error"] and res["seconds"] < 60, res

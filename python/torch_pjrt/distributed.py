@@ -128,6 +128,24 @@ def _split_op(op, dtype):
     return op, None, False
 
 
+_CHECK = os.environ.get("TORCH_TPU_DIST_CHECK", "1") != "0"
+_OP_CODES = {
+    n: i
+    for i, n in enumerate(
+        ["all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor",
+         "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single",
+         "gather", "scatter"]
+    )
+}
+_DTYPE_CODES = {
+    d: i
+    for i, d in enumerate(
+        [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+         torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128]
+    )
+}
+
+
 def _opts(cls, **kw):
     o = cls()
     for k, v in kw.items():
@@ -183,6 +201,38 @@ class TpuBackend(_C10dBackend):
 
     # --- helpers --------------------------------------------------------------------------
 
+    def _check(self, name, tensors, sizes=True):
+        """Refuses a collective whose ranks disagree on dtype or (with `sizes`) element
+        counts: Gloo would exchange mismatched buffers silently. One small all_gather of
+        (op, dtype, elements) per collective; TORCH_TPU_DIST_CHECK=0 turns it off."""
+        if not _CHECK or self._size == 1:
+            return
+        mine = torch.tensor(
+            [
+                _OP_CODES[name],
+                _DTYPE_CODES.get(tensors[0].dtype if tensors else None, -1),
+                sum(t.numel() for t in tensors) if sizes else -1,
+            ],
+            dtype=torch.int64,
+        )
+        every = torch.empty(self._size * 3, dtype=torch.int64)
+        self._gloo._allgather_base(every, mine, _c10d.AllgatherOptions()).wait()
+        every = every.view(self._size, 3)
+        if (every == mine).all():
+            return
+        names = {v: k for k, v in _OP_CODES.items()}
+        dtypes = {v: k for k, v in _DTYPE_CODES.items()}
+        desc = "; ".join(
+            f"rank {r}: {names.get(int(o), '?')} of {int(n)} elements of {dtypes.get(int(dt))}"
+            if n >= 0
+            else f"rank {r}: {names.get(int(o), '?')} of {dtypes.get(int(dt))}"
+            for r, (o, dt, n) in enumerate(every.tolist())
+        )
+        raise RuntimeError(
+            f"{name}: the ranks' calls do not match ({desc}); every rank must call the same "
+            "collective with tensors of the same dtype and size"
+        )
+
     def _reduce(self, tensors, op, launch):
         """`launch(host_tensors, gloo_op)` on host copies; their results go back into
         `tensors`, scaled as `op` asks."""
@@ -212,6 +262,7 @@ class TpuBackend(_C10dBackend):
     # --- collectives (c10d's Backend method names) ----------------------------------------
 
     def allreduce(self, tensors, opts):
+        self._check("all_reduce", tensors)
         return self._reduce(
             tensors,
             opts.reduceOp,
@@ -219,6 +270,7 @@ class TpuBackend(_C10dBackend):
         )
 
     def allreduce_coalesced(self, tensors, opts):
+        self._check("all_reduce", tensors)
         return self._reduce(
             tensors,
             opts.reduceOp,
@@ -228,6 +280,7 @@ class TpuBackend(_C10dBackend):
         )
 
     def reduce(self, tensors, opts):
+        self._check("reduce", tensors)
         root = opts.rootRank
         launch = lambda h, op: self._gloo.reduce(  # noqa: E731
             h, _opts(_c10d.ReduceOptions, reduceOp=op, rootRank=root)
@@ -243,6 +296,7 @@ class TpuBackend(_C10dBackend):
         return _Work(launch(hosts, gop), None, list(tensors))
 
     def broadcast(self, tensors, opts):
+        self._check("broadcast", tensors)
         hosts = [_host(t) for t in tensors]
         work = self._gloo.broadcast(
             hosts, _opts(_c10d.BroadcastOptions, rootRank=opts.rootRank, rootTensor=opts.rootTensor)
@@ -251,6 +305,7 @@ class TpuBackend(_C10dBackend):
         return _Work(work, finish, list(tensors))
 
     def allgather(self, output_tensors, input_tensors, opts):
+        self._check("all_gather", input_tensors)
         outs = [[_host(o) for o in lst] for lst in output_tensors]
         ins = [_host(t) for t in input_tensors]
         work = self._gloo.allgather(outs, ins, _c10d.AllgatherOptions())
@@ -259,6 +314,7 @@ class TpuBackend(_C10dBackend):
         return _Work(work, self._copy_back(flat_t, flat_h), output_tensors)
 
     def all_gather_single(self, output, input, opts):
+        self._check("all_gather_into_tensor", [input])
         out, inp = _host(output), _host(input)
         work = self._gloo._allgather_base(out, inp, _c10d.AllgatherOptions())
         return _Work(work, self._copy_back([output], [out]), [output])
@@ -271,6 +327,7 @@ class TpuBackend(_C10dBackend):
         return self.allgather(output_lists, input_tensors, opts)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
+        self._check("reduce_scatter", output_tensors)
         # Gloo has no reduce_scatter: an allreduce of each rank's stacked inputs, of which
         # each rank keeps its own row.
         works = []
@@ -295,6 +352,7 @@ class TpuBackend(_C10dBackend):
         return _All(works, list(outputs))
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        self._check("all_to_all_single", [input], sizes=not input_split_sizes)
         out, inp = _host(output), _host(input)
         work = self._gloo.alltoall_base(
             out, inp, list(output_split_sizes), list(input_split_sizes), _c10d.AllToAllOptions()
@@ -302,12 +360,14 @@ class TpuBackend(_C10dBackend):
         return _Work(work, self._copy_back([output], [out]), [output])
 
     def alltoall(self, output_tensors, input_tensors, opts):
+        self._check("all_to_all", input_tensors, sizes=False)
         outs = [_host(o) for o in output_tensors]
         ins = [_host(i) for i in input_tensors]
         work = self._gloo.alltoall(outs, ins, _c10d.AllToAllOptions())
         return _Work(work, self._copy_back(output_tensors, outs), list(output_tensors))
 
     def gather(self, output_tensors, input_tensors, opts):
+        self._check("gather", input_tensors)
         outs = [[_host(o) for o in lst] for lst in output_tensors]
         ins = [_host(t) for t in input_tensors]
         work = self._gloo.gather(outs, ins, _opts(_c10d.GatherOptions, rootRank=opts.rootRank))
@@ -316,6 +376,7 @@ class TpuBackend(_C10dBackend):
         return _Work(work, self._copy_back(flat_t, flat_h), output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts):
+        self._check("scatter", output_tensors)
         outs = [_host(o) for o in output_tensors]
         ins = [[_host(t) for t in lst] for lst in input_tensors]
         work = self._gloo.scatter(outs, ins, _opts(_c10d.ScatterOptions, rootRank=opts.rootRank))
