@@ -3,6 +3,8 @@
     python examples/train_gpt.py                 # 1000 steps on tpu: about a minute on 2 cores
     python examples/train_gpt.py --device cpu    # the same run on PyTorch CPU, to compare
     python examples/train_gpt.py --steps 50
+    torchrun --nproc-per-node 2 examples/train_gpt.py --ddp    # data parallel, 2 processes
+    torchrun --nproc-per-node 2 examples/train_gpt.py --fsdp   # FSDP2: sharded parameters
 
 The model is written with plain PyTorch (embeddings, LayerNorm, attention spelled out with
 matmul/masked_fill/softmax, GELU MLP, AdamW); ``import torch_pjrt`` and ``.to("tpu")`` are
@@ -139,30 +141,56 @@ def main():
     p.add_argument("--sample", type=int, default=300, help="characters to generate at the end")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--data", default=DATA)
+    p.add_argument("--ddp", action="store_true", help="DistributedDataParallel (under torchrun)")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard (under torchrun)")
     args = p.parse_args()
 
     torch_pjrt.reset_metrics()
+    rank, world = 0, 1
+    if args.ddp or args.fsdp:
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)  # the ranks share the host's cores
+        dist.init_process_group()  # the "tpu" backend; each rank on its local tpu device
+        rank, world = dist.get_rank(), dist.get_world_size()
 
     with open(args.data, encoding="utf-8") as f:
         text = f.read()
     chars = sorted(set(text))
     stoi = {c: i for i, c in enumerate(chars)}
     data = torch.tensor([stoi[c] for c in text], dtype=torch.long)
-    print(f"text: {len(text):,} characters, vocab {len(chars)}; device {args.device}")
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"text: {len(text):,} characters, vocab {len(chars)}; device {args.device}"
+        + (f", {world} processes" if world > 1 else ""))
 
     torch.manual_seed(args.seed)  # initialize on the host: the same weights on every device
     model = GPT(len(chars), seq_len=args.seq).to(args.device)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    print(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
+    net = model
+    if args.ddp:
+        from torch.nn.parallel import DistributedDataParallel
 
-    data_iter = batches(data, args.batch, args.seq, torch.Generator().manual_seed(args.seed))
-    tokens = args.batch * args.seq
+        net = DistributedDataParallel(model)
+    elif args.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh(args.device.split(":")[0], (world,))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    say(f"model: {sum(p.numel() for p in model.parameters()):,} parameters")
+
+    # Each rank draws its own batches (seeded by rank); the gradient is averaged over all.
+    data_iter = batches(data, args.batch, args.seq, torch.Generator().manual_seed(args.seed + rank))
+    tokens = args.batch * args.seq * world
     start = last = time.perf_counter()
     last_step = 0
     for step in range(1, args.steps + 1):
         x, y = next(data_iter)
         x, y = x.to(args.device), y.to(args.device)
-        loss = model.loss(x, y)
+        logits = net(x)
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -170,12 +198,34 @@ def main():
         if step % 10 == 0 or step == 1 or step == args.steps:
             value = loss.item()
             now = time.perf_counter()
-            progress(step, args.steps, value, tokens * (step - last_step) / (now - last))
+            if rank == 0:
+                progress(step, args.steps, value, tokens * (step - last_step) / (now - last))
             last, last_step = now, step
     elapsed = time.perf_counter() - start
-    print(
+    say(
         f"\ntrained {args.steps} steps in {elapsed:.1f} s ({tokens * args.steps / elapsed:,.0f} tok/s)"
     )
+    if world > 1:
+        import torch.distributed as dist
+
+        if args.fsdp:
+            # Generation below runs on rank 0 alone: gather the whole weights into a plain
+            # model there (every rank takes part in the gathering).
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                get_model_state_dict,
+            )
+
+            full = get_model_state_dict(
+                model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+            )
+            if rank == 0:
+                model = GPT(len(chars), seq_len=args.seq)
+                model.load_state_dict(full)
+                model = model.to(args.device)
+        if rank != 0:
+            dist.destroy_process_group()
+            return
 
     model.eval()
     prompt = [stoi[c] for c in "\n"]
@@ -184,6 +234,8 @@ def main():
     print("".join(chars[i] for i in sample))
     print("--------------")
 
+    if world > 1:
+        torch.distributed.destroy_process_group()
     if args.device.startswith("tpu"):
         m = torch_pjrt.metrics()
         print(f"ops run natively: {m['native_calls']}, on the CPU fallback: {m['fallback_calls']}")

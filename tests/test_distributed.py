@@ -1,6 +1,8 @@
 """torch.distributed on tpu: the c10d backend, compared with Gloo on CPU tensors and with a
 single process. Each test spawns its ranks (world size 2 or 4), in the eager mode the suite
-runs in; a rank writes its results to a file the test reads."""
+runs in; a rank writes its results to a file the test reads. Tests marked `slow` (world size
+4, HSDP, 2-D, checkpoints, two nodes, bfloat16 variants) run in the Strict pass of
+scripts/test.sh only; README "Distributed" has the command for all of them in every mode."""
 
 import json
 import os
@@ -218,7 +220,7 @@ def _collectives(rank, world, store, d):
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_collectives_match_gloo_on_cpu(world):
     results = _run(_collectives, world)
     for r, res in enumerate(results):
@@ -290,7 +292,7 @@ def _single(world):
     return losses, model.head.weight.detach().cpu().flatten()[:64].tolist()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ddp_trains_like_one_process_on_the_whole_batch(world):
     results = _run(_ddp, world, "none")
     want, w = _single(world)
@@ -299,6 +301,7 @@ def test_ddp_trains_like_one_process_on_the_whole_batch(world):
         assert_close(torch.tensor(r["w"]), torch.tensor(w), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_ddp_with_a_bf16_compression_hook():
     results = _run(_ddp, 2, "bf16")
     want, _ = _single(2)
@@ -356,6 +359,7 @@ def test_torchrun_each_rank_uses_its_local_device(tmp_path):
     ] * 3
 
 
+@pytest.mark.slow
 def test_torchrun_two_nodes_through_c10d_rendezvous(tmp_path):
     import socket
 
@@ -443,7 +447,9 @@ def _train_sharded(rank, world, store, d, kind):
 
 @pytest.mark.parametrize(
     "kind,world",
-    [("fsdp", 2), ("fsdp_keep", 2), ("hsdp", 4), ("tp", 2), ("fsdp_tp", 4)],
+    [("fsdp", 2), pytest.param("fsdp_keep", 2, marks=pytest.mark.slow),
+     pytest.param("hsdp", 4, marks=pytest.mark.slow), ("tp", 2),
+     pytest.param("fsdp_tp", 4, marks=pytest.mark.slow)],
 )
 def test_sharded_training_matches_one_process(kind, world):
     results = _run(_train_sharded, world, kind)
@@ -453,6 +459,7 @@ def test_sharded_training_matches_one_process(kind, world):
         assert_close(torch.tensor(r["w"]), torch.tensor(w), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_fsdp2_bfloat16_parameters():
     results = _run(_train_sharded, 2, "fsdp_bf16")
     want, _ = _single(2)
@@ -529,6 +536,7 @@ def _checkpoint(rank, world, store, d, phase):
     dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_distributed_checkpoint_resumes_the_same_losses(tmp_path):
     whole = _run(_checkpoint, 2, "save")
     resumed = _run(_checkpoint, 2, "resume")
@@ -613,7 +621,7 @@ def _fault(rank, world, store, d, kind):
     os._exit(0)
 
 
-@pytest.mark.parametrize("kind", ["shape", "dtype", "device"])
+@pytest.mark.parametrize("kind", ["shape", pytest.param("dtype", marks=pytest.mark.slow), "device"])
 def test_mismatched_collectives_raise_within_the_timeout(kind):
     for r, res in enumerate(_run(_fault, 2, kind)):
         assert res["error"], f"rank {r} did not raise"
@@ -637,3 +645,52 @@ def test_a_killed_rank_makes_the_others_raise():
         with open(os.path.join(d, "0.json")) as f:
             res = json.load(f)
     assert res["error"] and res["seconds"] < 60, res
+
+
+# --- torch.compile ---------------------------------------------------------------------------
+
+
+def _compiled(rank, world, store, d):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torch_pjrt import compile as tc
+
+    dev = _init(rank, world, store)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="tpu")
+    def f(x):
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    outs = [f(torch.full((4,), float(rank + i), device=dev)).cpu().tolist() for i in range(3)]
+    split = dict(tc.counters)
+    model = _gpt(dev)
+    ddp = torch.compile(DDP(model), backend="tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in _batches(world)[:5]:
+        xs = x[rank * BATCH:(rank + 1) * BATCH].to(dev)
+        ys = y[rank * BATCH:(rank + 1) * BATCH].to(dev)
+        loss = torch.nn.functional.cross_entropy(ddp(xs).flatten(0, 1), ys.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rep = loss.detach().clone()
+        dist.all_reduce(rep, op=dist.ReduceOp.AVG)
+        losses.append(rep.item())
+    _dump(d, rank, {"outs": outs, "split": split, "losses": losses,
+                    "breaks": sum(torch._dynamo.utils.counters["graph_break"].values())})
+    dist.destroy_process_group()
+
+
+def test_compiled_graphs_run_collectives_between_their_pieces():
+    results = _run(_compiled, 2)
+    want, _ = _single(2)
+    for r in results:
+        assert r["outs"] == [[2.0 * (2 * i + 1) + 1] * 4 for i in range(3)], r["outs"]
+        assert r["split"]["graphs_split_at_collectives"] == 1
+        assert r["split"]["compiled_graphs"] == 2 and r["split"]["collectives"] == 6
+        assert r["split"].get("graph_breaks", 0) == 0
+        assert_close(torch.tensor(r["losses"]), torch.tensor(want[:5]), rtol=1e-5, atol=1e-5)

@@ -306,6 +306,8 @@ def tpu_backend(gm, example_inputs, mode=None, options=None, **kwargs):
         )
 
     def compiler(g, _inputs, inference=False):
+        if any(_is_collective(n) for n in g.graph.nodes):
+            return _split_at_collectives(g, dump, max_programs, inference)
         return _Graph(g, dump, max_programs, inference)
 
     # Inference graphs (an optimizer step) keep their in-place updates of inputs: the
@@ -316,6 +318,63 @@ def tpu_backend(gm, example_inputs, mode=None, options=None, **kwargs):
                         keep_inference_input_mutations=True,
                         decompositions=dict(_decompositions() if decomp == "core"
                                             else _required_decompositions()))(gm, example_inputs)
+
+
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d", "_dtensor")
+
+
+def _is_collective(node):
+    t = node.target
+    return node.op == "call_function" and getattr(t, "namespace", None) in _COLLECTIVE_NAMESPACES
+
+
+def _split_at_collectives(g, dump, max_programs, inference):
+    """A graph with collectives (functional collectives, which Dynamo makes of
+    ``dist.all_reduce`` and which DTensor and FSDP2 call) runs as compiled pieces with the
+    collectives between them: a collective exchanges data with other processes, which no
+    program of ours can do on a plugin without cross-process collectives, and capturing it
+    would read values mid-graph (the whole graph would then run eagerly). Each piece is one
+    ``_Graph``; the collectives run as ops (counted in ``counters["collectives"]``)."""
+    from torch.fx.passes.split_module import split_module
+
+    part, parts = 0, {}
+    for n in g.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if _is_collective(n):
+            parts[n] = part + 1
+            part += 2
+        else:
+            parts[n] = part
+    split = split_module(g, None, lambda n: parts[n], keep_original_order=True)
+    for name, sub in list(split.named_children()):
+        if any(_is_collective(n) for n in sub.graph.nodes):
+            setattr(split, name, _Piece(collective=sub))
+        else:
+            graph = _Graph(sub, dump, max_programs, inference)
+            setattr(split, name, _Piece(graph=graph))
+    counters["graphs_split_at_collectives"] += 1
+
+    def run(args):
+        return split(*args)
+
+    run._boxed_call = True
+    return run
+
+
+class _Piece(torch.nn.Module):
+    """A piece of a split graph: a compiled ``_Graph`` or the collective between two."""
+
+    def __init__(self, graph=None, collective=None):
+        super().__init__()
+        self.graph = graph
+        self.collective = collective
+
+    def forward(self, *args):
+        if self.graph is not None:
+            return self.graph(list(args))
+        counters["collectives"] += 1
+        return self.collective(*args)
 
 
 def _optimizer_state_on_tpu():
