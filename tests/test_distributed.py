@@ -595,7 +595,7 @@ def _fault(rank, world, store, d, kind):
 
     torch.set_num_threads(1)
     dist.init_process_group(init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20))
+                            timeout=datetime.timedelta(seconds=60))
     dev = torch.device("tpu", rank)
     torch.tpu.set_device(dev)
     dist.barrier()
@@ -625,7 +625,7 @@ def _fault(rank, world, store, d, kind):
 def test_mismatched_collectives_raise_within_the_timeout(kind):
     for r, res in enumerate(_run(_fault, 2, kind)):
         assert res["error"], f"rank {r} did not raise"
-        assert res["seconds"] < 60, res
+        assert res["seconds"] < 120, res
         if kind == "device":
             assert "No backend type associated with device type cpu" in res["error"]
         else:
@@ -644,7 +644,7 @@ def test_a_killed_rank_makes_the_others_raise():
         assert procs[1].exitcode == 3
         with open(os.path.join(d, "0.json")) as f:
             res = json.load(f)
-    assert res["error"] and res["seconds"] < 60, res
+    assert res["error"] and res["seconds"] < 120, res
 
 
 # --- torch.compile ---------------------------------------------------------------------------
