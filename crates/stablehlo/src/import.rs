@@ -96,6 +96,18 @@ fn string_end(s: &[u8], start: usize) -> Result<usize, String> {
     Err("unterminated string literal in the module".into())
 }
 
+/// How the byte at `i` changes the bracket depth: `(`, `[`, `{` open, their pairs close;
+/// `<`/`>` count only with `angles` (types), and `->` is an arrow.
+fn bracket(s: &[u8], i: usize, angles: bool) -> i32 {
+    match s[i] {
+        b'(' | b'[' | b'{' => 1,
+        b')' | b']' | b'}' => -1,
+        b'<' if angles => 1,
+        b'>' if angles && !(i > 0 && s[i - 1] == b'-') => -1,
+        _ => 0,
+    }
+}
+
 /// Index just past the bracket closing the one at `open` (`(`, `[`, `{` or `<`), skipping
 /// string literals. `<` counts only with `angles`.
 fn close(s: &[u8], open: usize, angles: bool) -> Result<usize, String> {
@@ -107,12 +119,7 @@ fn close(s: &[u8], open: usize, angles: bool) -> Result<usize, String> {
                 i = string_end(s, i)?;
                 continue;
             }
-            b'(' | b'[' | b'{' => depth += 1,
-            b'<' if angles => depth += 1,
-            b'>' if angles && i > 0 && s[i - 1] == b'-' => {}
-            b')' | b']' | b'}' => depth -= 1,
-            b'>' if angles => depth -= 1,
-            _ => {}
+            _ => depth += bracket(s, i, angles),
         }
         i += 1;
         if depth == 0 {
@@ -147,15 +154,13 @@ fn top_level_ops(body: &str) -> Result<Vec<&str>, String> {
                 i = string_end(s, i)?;
                 continue;
             }
-            b'(' | b'[' | b'{' => depth += 1,
-            b')' | b']' | b'}' => depth -= 1,
             b'\n' if depth == 0 => {
                 if !body[start..i].trim().is_empty() {
                     ops.push(body[start..i].trim());
                 }
                 start = i + 1;
             }
-            _ => {}
+            _ => depth += bracket(s, i, false),
         }
         i += 1;
     }
