@@ -233,9 +233,9 @@ class TpuBackend(_C10dBackend):
             "collective with tensors of the same dtype and size"
         )
 
-    def _reduce(self, tensors, op, launch):
-        """`launch(host_tensors, gloo_op)` on host copies; their results go back into
-        `tensors`, scaled as `op` asks."""
+    def _reduce(self, tensors, op, launch, write_back=True):
+        """`launch(host_tensors, gloo_op)` on host copies; with `write_back` their results go
+        back into `tensors`, scaled as `op` asks."""
         hosts = [_host(t) for t in tensors]
         gop, factor, mean = _split_op(op, tensors[0].dtype if tensors else None)
         if factor is not None:
@@ -249,7 +249,7 @@ class TpuBackend(_C10dBackend):
                     h = h / size if h.is_floating_point() else h // size
                 _back(t, h)
 
-        return _Work(launch(hosts, gop), finish, list(tensors))
+        return _Work(launch(hosts, gop), finish if write_back else None, list(tensors))
 
     @staticmethod
     def _copy_back(outputs, hosts):
@@ -285,15 +285,8 @@ class TpuBackend(_C10dBackend):
         launch = lambda h, op: self._gloo.reduce(  # noqa: E731
             h, _opts(_c10d.ReduceOptions, reduceOp=op, rootRank=root)
         )
-        if self._rank == root:
-            return self._reduce(tensors, opts.reduceOp, launch)
-        # Only the root's tensor changes.
-        hosts = [_host(t) for t in tensors]
-        gop, factor, _ = _split_op(opts.reduceOp, tensors[0].dtype)
-        if factor is not None:
-            f = factor.item() if isinstance(factor, torch.Tensor) else factor
-            hosts = [h.mul_(f) if h.is_floating_point() else h for h in hosts]
-        return _Work(launch(hosts, gop), None, list(tensors))
+        # Only the root's tensor changes (as with NCCL; Gloo uses the others as scratch).
+        return self._reduce(tensors, opts.reduceOp, launch, write_back=self._rank == root)
 
     def broadcast(self, tensors, opts):
         self._check("broadcast", tensors)

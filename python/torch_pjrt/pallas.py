@@ -41,14 +41,13 @@ class KernelError(ValueError):
 class _Traced:
     """One kernel traced for one signature."""
 
-    def __init__(self, kid, name, outs, out_spec, n_in, diff):
+    def __init__(self, kid, name, outs, out_spec, diff):
         self.id = kid
         self.name = name
         self.outs = outs  # [(shape, torch dtype)]
         self.out_spec = out_spec  # torch pytree spec of the outputs
-        self.n_in = n_in
         self.diff = diff  # input positions with gradients (floating/complex)
-        self.backward = None  # (_Traced of the backward kernel, positions it returns)
+        self.backward = None  # the backward kernel's _Traced, traced at the first backward
         self.make_backward = None
 
 
@@ -152,7 +151,7 @@ class _ForceInterpret:
             table[self.prim] = self.prev
 
 
-def _generic_text(jax, exported):
+def _generic_text(exported):
     """The module in MLIR's generic form without locations (what the runtime imports)."""
     from jax._src.interpreters import mlir as jmlir
     from jax._src.lib.mlir import ir
@@ -464,7 +463,7 @@ class JaxKernel:
             entry = self._export(self._flat_fn(key, spec, statics), avals, self.name)
             if path:
                 _disk_store(path, entry)
-        traced = _register(self.name, entry, len(avals), diff)
+        traced = _register(self.name, entry, diff)
         traced.make_backward = functools.partial(self._trace_backward, key, spec, statics, avals, diff)
         return traced
 
@@ -498,7 +497,7 @@ class JaxKernel:
                 raise KernelError(
                     f"kernel '{name}' returns dtype {a.dtype}, which tpu tensors cannot hold"
                 )
-        text = _generic_text(jax, exported)
+        text = _generic_text(exported)
         # Custom calls the plugin cannot run are refused first (the clearer error).
         _C.register_kernel(name, text)
         _check_version(name, text)
@@ -548,7 +547,7 @@ class JaxKernel:
 
         bavals = list(avals) + [(tuple(sh), _TO_JAX[dt], False) for sh, dt in outs]
         entry = self._export(bwd, bavals, self.name + ".backward")
-        return _register(self.name + ".backward", entry, len(bavals), [])
+        return _register(self.name + ".backward", entry, [])
 
 
 def _rebuild(key, spec, statics, dyn):
@@ -618,12 +617,12 @@ def _scalar_tensor(v, device):
     return torch.tensor(v, dtype=dtype, device=device or "tpu")
 
 
-def _register(name, entry, n_in, diff):
+def _register(name, entry, diff):
     # Two kernels may trace to one module; each call id is its own (backwards differ).
     kid = f"{_C.register_kernel(name, entry['module'])}/{len(_BY_ID)}"
     outs = [(tuple(s), _FROM_JAX[d]) for s, d in entry["outs"]]
     spec = pytree.treespec_loads(entry["out_spec"])
-    traced = _Traced(kid, name, outs, spec, n_in, diff)
+    traced = _Traced(kid, name, outs, spec, diff)
     _BY_ID[kid] = traced
     return traced
 
@@ -771,10 +770,9 @@ def jax_op(qualname, fn, *, static_argnums=(), static_argnames=(), backward=None
     ns, _, opname = qualname.partition("::")
     if not ns or not opname:
         raise ValueError(f"jax_op: qualname must be 'namespace::name', got {qualname!r}")
-    _OPS[qualname] = k
     lib = torch.library.Library(ns, "FRAGMENT")
     lib.define(f"{opname}(Tensor[] args, str call) -> Tensor[]")
-    _LIBS.append(lib)
+    _LIBS.append(lib)  # a Library deregisters its op when collected
 
     def impl(args, call):
         return list(_JAX_CALL(args, call))
@@ -793,5 +791,4 @@ def jax_op(qualname, fn, *, static_argnums=(), static_argnames=(), backward=None
     return call
 
 
-_OPS = {}
 _LIBS = []
