@@ -231,6 +231,7 @@ def test_jax_op_is_a_custom_op_in_compiled_and_exported_graphs(seed):
 
 def test_bad_arguments_name_the_kernel_and_the_argument():
     xt = torch.randn(4, 8, device="tpu")
+    softmax_mul(xt, xt)  # traced at (4, 8), whatever ran before
     with pytest.raises(ValueError, match=r"kernel 'softmax_mul': argument 1 is on cpu"):
         softmax_mul(xt, torch.randn(4, 8))
     with pytest.raises(TypeError, match=r"kernel 'softmax_mul': argument 1 is a str"):
@@ -246,6 +247,9 @@ def test_bad_arguments_name_the_kernel_and_the_argument():
         torch.ops.torch_pjrt.jax_call([torch.ones(2, device="tpu"), xt], kid)
         torch.tpu.synchronize()
     assert_close(xt, before)
+    # The op itself, reached directly with a CPU tensor: CUDA's device error, nothing copied.
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ops.torch_pjrt.jax_call([xt, torch.randn(4, 8)], kid)
 
 
 def test_custom_calls_the_plugin_cannot_run_are_refused():

@@ -219,11 +219,12 @@ pub fn serves_sizes(op: &str) -> bool {
     )
 }
 
-/// Ops that take non-scalar CPU tensors next to tpu ones: copies between the devices (our
-/// own ops) and the indices of advanced indexing, as on CUDA. Other ops accept a CPU tensor
-/// only as a 0-dim scalar.
+/// Ops that take non-scalar CPU tensors next to tpu ones: copies between the devices and
+/// `torch.equal` (our own ops, dispatched by the runtime) and the indices of advanced
+/// indexing, as on CUDA. Other ops, custom kernels' `torch_pjrt::jax_call` included, accept
+/// a CPU tensor only as a 0-dim scalar.
 pub fn takes_cpu_tensors(op: &str) -> bool {
-    op.starts_with("torch_pjrt::")
+    matches!(op, "torch_pjrt::copy" | "torch_pjrt::equal")
         || matches!(
             op.trim_end_matches('_'),
             "aten::index"
