@@ -35,12 +35,17 @@ TPU = torch.device("tpu")
 FALLBACK_WARNING = r"The operator .* is not lowered for the tpu device"
 
 
+def opinfo_samples(text):
+    """TORCH_PJRT_OPINFO_SAMPLES / --opinfo-samples: a count, or "all"."""
+    return 1 << 30 if str(text).strip().lower() == "all" else int(text)
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--opinfo-samples",
-        type=int,
-        default=int(os.environ.get("TORCH_PJRT_OPINFO_SAMPLES", "8")),
-        help="samples per OpInfo and dtype (the first N of op.sample_inputs)",
+        type=opinfo_samples,
+        default=opinfo_samples(os.environ.get("TORCH_PJRT_OPINFO_SAMPLES", "8")),
+        help="samples per OpInfo and dtype (the first N of op.sample_inputs; 'all': every one)",
     )
     parser.addoption(
         "--opinfo-record",

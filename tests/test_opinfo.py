@@ -43,7 +43,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_on_device, fallbacks, to_cpu, to_tpu
+from conftest import assert_on_device, fallbacks, opinfo_samples, to_cpu, to_tpu
 from torch.testing._comparison import default_tolerances
 from torch.testing._internal.common_device_type import precisionOverride, toleranceOverride
 from torch.testing._internal.common_methods_invocations import op_db
@@ -157,7 +157,7 @@ def lookup(name, dtype, direction):
 # The expected failures were recorded with the default 8 samples per op; a run with fewer
 # samples (scripts/test.sh in Debug/DeferAndFuse) may miss the failing sample, so there an
 # unexpected pass is not an error.
-STRICT = int(os.environ.get("TORCH_PJRT_OPINFO_SAMPLES", "8")) >= 8
+STRICT = opinfo_samples(os.environ.get("TORCH_PJRT_OPINFO_SAMPLES", "8")) >= 8
 
 
 def _cases():
@@ -245,6 +245,11 @@ def move_sample(name, sample):
     """A copy of the sample with its tensors on tpu (some stay on the CPU, see CPU_ARGS)."""
     args = sample.args if name in CPU_ARGS else to_tpu(sample.args)
     args, kwargs = tree_map(_tpu_device, (args, to_tpu(sample.kwargs)))
+    leaves = tree_flatten((sample.input, sample.args, sample.kwargs))[0]
+    if "device" not in kwargs and not any(isinstance(x, torch.Tensor) for x in leaves):
+        # A factory sample that names no device (torch.arange(2)) makes a CPU tensor on
+        # both sides; its tpu twin asks for tpu.
+        kwargs = {**kwargs, "device": "tpu"}
     return SampleInput(tree_map(_tpu_device, to_tpu(sample.input)), args=args, kwargs=kwargs,
                        output_process_fn_grad=sample.output_process_fn_grad,
                        broadcasts_input=sample.broadcasts_input, name=sample.name)

@@ -671,6 +671,44 @@ def test_histc_of_half_tensors(dtype, seed):
                                torch.histc(big.float(), 2, -1, 1).to(dtype))
 
 
+def _int_histc_reference(x, bins, lo, hi):
+    """CUDA's integer histc: bounds from the data when equal, widened when still equal, bin
+    (x - lo) * bins // (hi - lo) in integers, values outside [lo, hi] dropped."""
+    x = x.long().flatten()
+    if lo == hi and x.numel():
+        lo, hi = int(x.min()), int(x.max())
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    inside = x[(x >= lo) & (x <= hi)]
+    pos = ((inside - lo) * bins // (hi - lo)).clamp(max=bins - 1)
+    return torch.bincount(pos, minlength=bins)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+def test_integer_histc_has_cudas_semantics(eager_mode, dtype, no_fallback):
+    # The CPU raises "histogram_cpu not implemented for 'Int'"; CUDA counts, and
+    # mixture-of-experts routers count their expert ids with it.
+    g = torch.Generator().manual_seed(0)
+    lo = 0 if dtype == torch.uint8 else -9
+    x = torch.randint(lo, 40, (3, 50), generator=g).to(dtype)
+    for bins, mn, mx in [(8, 0, 7), (5, 0, 0), (7, 3, 30), (3, -2, 100), (13, 2.7, 20.2)]:
+        got = torch.histc(x.to("tpu"), bins=bins, min=mn, max=mx)
+        assert got.dtype == dtype and got.device.type == "tpu"
+        # Bounds convert to the input's type as C++ converts (-2 is 254 in uint8).
+        lo_, hi_ = (int(torch.tensor(int(v)).to(dtype)) for v in (mn, mx))
+        want = _int_histc_reference(x, bins, lo_, hi_)
+        assert torch.equal(got.cpu().long(), want), (bins, mn, mx)
+    ids = torch.randint(0, 6, (64, 2), generator=g).int()
+    counts = torch.histc(ids.to("tpu"), bins=6, min=0, max=5)
+    assert torch.equal(counts.cpu(), torch.bincount(ids.flatten(), minlength=6).int())
+    same = torch.full((4,), 3, dtype=dtype)
+    assert torch.equal(torch.histc(same.to("tpu"), bins=4).cpu().long(),
+                       _int_histc_reference(same, 4, 0, 0))
+    assert torch.histc(x[:0].to("tpu"), bins=3).cpu().tolist() == [0, 0, 0]
+    with pytest.raises(RuntimeError, match="bins must be > 0"):
+        torch.histc(x.to("tpu"), bins=0)
+
+
 def _fractional(n, x, k, out, u):
     pool = torch.ops.aten.fractional_max_pool2d if n == 2 else torch.ops.aten.fractional_max_pool3d
     return pool(x, k, out, u)

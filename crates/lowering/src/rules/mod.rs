@@ -29,6 +29,7 @@ pub mod padding;
 pub mod pointwise;
 pub mod pooling;
 pub mod random;
+pub mod recurrent;
 pub mod reduce;
 pub mod resampling;
 pub mod sorting;
@@ -50,6 +51,7 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         activations::RULES,
         resampling::RULES,
         random::RULES,
+        recurrent::RULES,
         foreach::RULES,
         special::RULES,
         sorting::RULES,

@@ -1,5 +1,6 @@
 //! Normalization rules: batch norm (training and inference, with running stats), layer
-//! norm, group norm, forward and backward. Reduced-precision inputs compute in f32.
+//! norm, group norm, weight norm, forward and backward. Reduced-precision inputs compute in
+//! f32.
 
 use super::nn_common::*;
 use super::opmath;
@@ -574,6 +575,80 @@ fn group_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(outs)
 }
 
+/// The dims `_weight_norm_interface` reduces over (all but `dim`, which must be the first or
+/// the last, as the CPU and CUDA kernels require) and the norm's dtype (f32 for bfloat16 `g`).
+fn weight_norm_dims(c: &Ctx, v: &TensorArg, g: &TensorArg) -> LResult<(Vec<i64>, i64)> {
+    let r = v.shape.len() as i64;
+    let dim = c.args.int_or("dim", 0);
+    let dim = if dim < 0 { dim + r } else { dim };
+    if r == 0 || !(dim == 0 || dim == r - 1) {
+        return decline("_weight_norm_interface: dim other than the first or last");
+    }
+    let mut want = vec![1; r as usize];
+    want[dim as usize] = v.shape[dim as usize];
+    if g.shape != want || g.dtype != v.dtype {
+        return decline("_weight_norm_interface: g of another shape or dtype");
+    }
+    Ok(((0..r).filter(|d| *d != dim).collect(), dim))
+}
+
+fn weight_norm_interface(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let v = tensor(c, "v")?;
+    let g = tensor(c, "g")?;
+    let (dims, dim) = weight_norm_dims(c, &v, &g)?;
+    let norm_dt = if g.dtype == DType::BF16 {
+        DType::F32
+    } else {
+        g.dtype
+    };
+    let cd = opmath(v.dtype);
+    let b = &mut *c.b;
+    let vv = b.convert(v.value, cd);
+    let sq = b.mul(vv, vv);
+    let ss = b.reduce(sq, &dims, ReduceKind::Sum);
+    let norm = b.sqrt(ss);
+    let norm_b = b.broadcast_in_dim(norm, &v.shape, &[dim]);
+    let gv = b.convert(g.value, cd);
+    let gv = b.reshape(gv, &[v.shape[dim as usize]]);
+    let gb = b.broadcast_in_dim(gv, &v.shape, &[dim]);
+    let w = b.mul(vv, gb);
+    let w = b.div(w, norm_b);
+    let norm = b.reshape(norm, &g.shape);
+    Ok(vec![
+        Out::T(b.convert(w, v.dtype)),
+        Out::T(b.convert(norm, norm_dt)),
+    ])
+}
+
+/// grad_v = g / |v| * (grad_w - v * <grad_w, v> / |v|^2), grad_g = <grad_w, v> / |v|.
+fn weight_norm_interface_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let gw = tensor(c, "grad_w")?;
+    let v = tensor(c, "saved_v")?;
+    let g = tensor(c, "saved_g")?;
+    let n = tensor(c, "saved_norms")?;
+    let (dims, dim) = weight_norm_dims(c, &v, &g)?;
+    let cd = opmath(v.dtype);
+    let d = v.shape[dim as usize];
+    let b = &mut *c.b;
+    let [gwv, vv, gv, nv] = [gw.value, v.value, g.value, n.value].map(|x| b.convert(x, cd));
+    let [gv, nv] = [gv, nv].map(|x| b.reshape(x, &[d]));
+    let prod = b.mul(gwv, vv);
+    let dot = b.reduce(prod, &dims, ReduceKind::Sum);
+    let grad_g = b.div(dot, nv);
+    let scale = b.div(gv, nv);
+    let n2 = b.mul(nv, nv);
+    let coef = b.div(dot, n2);
+    let [coef, scale] = [coef, scale].map(|x| b.broadcast_in_dim(x, &v.shape, &[dim]));
+    let proj = b.mul(vv, coef);
+    let diff = b.sub(gwv, proj);
+    let grad_v = b.mul(diff, scale);
+    let grad_g = b.reshape(grad_g, &g.shape);
+    Ok(vec![
+        Out::T(b.convert(grad_v, v.dtype)),
+        Out::T(b.convert(grad_g, g.dtype)),
+    ])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::native_batch_norm", batch_norm),
     ("aten::_native_batch_norm_legit", batch_norm_legit),
@@ -585,4 +660,9 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::native_layer_norm_backward", layer_norm_backward),
     ("aten::native_group_norm", group_norm),
     ("aten::native_group_norm_backward", group_norm_backward),
+    ("aten::_weight_norm_interface", weight_norm_interface),
+    (
+        "aten::_weight_norm_interface_backward",
+        weight_norm_interface_backward,
+    ),
 ];

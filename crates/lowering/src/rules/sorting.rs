@@ -1452,6 +1452,9 @@ fn vdot(c: &mut Ctx) -> LResult<Vec<Out>> {
 fn histc(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = input(c)?;
     let bins = c.args.int_or("bins", 100);
+    if t.dtype.is_int() {
+        return histc_int(c, &t, bins);
+    }
     if !t.dtype.is_float() {
         return user_err(
             ErrorKind::NotImplemented,
@@ -1525,6 +1528,79 @@ fn histc(c: &mut Ctx) -> LResult<Vec<Out>> {
     let hit = b.compare(pb, ids, CmpDir::Eq);
     let hit = b.convert(hit, dt);
     Ok(vec![Out::T(b.reduce(hit, &[0], ReduceKind::Sum))])
+}
+
+/// Integer histc with CUDA's semantics (the CPU has no integer kernel; mixture-of-experts
+/// routers count expert ids with it): bounds in the input's type, bin
+/// `(x - min) * bins / (max - min)` in 64-bit integer arithmetic, values outside
+/// `[min, max]` not counted, counts in the input's type.
+fn histc_int(c: &mut Ctx, t: &TensorArg, bins: i64) -> LResult<Vec<Out>> {
+    if bins <= 0 {
+        return user_err(ErrorKind::Runtime, "torch.histc: bins must be > 0");
+    }
+    // Scalar bounds convert to the input's type the way C++ casts: truncation, then
+    // wrapping to the type's width.
+    let dt = t.dtype;
+    let bound = |s: Option<Scalar>| wrap_int(s.map(|s| s.as_f64()).unwrap_or(0.0) as i64, dt);
+    let (lo, hi) = (
+        bound(c.args.opt_scalar("min")),
+        bound(c.args.opt_scalar("max")),
+    );
+    let n = numel(&t.shape);
+    let b = &mut *c.b;
+    if n == 0 {
+        return Ok(vec![Out::T(b.full(dt, &[bins], 0.0))]);
+    }
+    let x = b.reshape(t.value, &[n]);
+    let x = b.convert(x, DType::I64);
+    let (lo_v, hi_v) = if lo == hi {
+        let mn = b.reduce(x, &[0], ReduceKind::Min);
+        let mx = b.reduce(x, &[0], ReduceKind::Max);
+        (mn, mx)
+    } else {
+        (
+            b.constant(DType::I64, lo as f64),
+            b.constant(DType::I64, hi as f64),
+        )
+    };
+    // An empty range widens by one each way.
+    let same = b.compare(lo_v, hi_v, CmpDir::Eq);
+    let one = b.constant(DType::I64, 1.0);
+    let lo_w = b.sub(lo_v, one);
+    let hi_w = b.add(hi_v, one);
+    let lo_v = b.select(same, lo_w, lo_v);
+    let hi_v = b.select(same, hi_w, hi_v);
+    let lo_b = b.broadcast_in_dim(lo_v, &[n], &[]);
+    let hi_b = b.broadcast_in_dim(hi_v, &[n], &[]);
+    let num = b.sub(x, lo_b);
+    let k = b.full(DType::I64, &[n], bins as f64);
+    let num = b.mul(num, k);
+    let width = b.sub(hi_b, lo_b);
+    let pos = b.div(num, width);
+    let last = b.full(DType::I64, &[n], (bins - 1) as f64);
+    let pos = b.min(pos, last);
+    let below = b.compare(x, lo_b, CmpDir::Lt);
+    let above = b.compare(hi_b, x, CmpDir::Lt);
+    let out = b.or(below, above);
+    let none = b.full(DType::I64, &[n], -1.0);
+    let pos = b.select(out, none, pos);
+    let pb = b.broadcast_in_dim(pos, &[n, bins], &[0]);
+    let ids = b.iota(DType::I64, &[n, bins], 1);
+    let hit = b.compare(pb, ids, CmpDir::Eq);
+    let hit = b.convert(hit, dt);
+    Ok(vec![Out::T(b.reduce(hit, &[0], ReduceKind::Sum))])
+}
+
+/// `v` as C++ converts an int64 to integer type `dt` (two's-complement wrapping).
+fn wrap_int(v: i64, dt: DType) -> i64 {
+    match dt {
+        DType::U8 => v as u8 as i64,
+        DType::I8 => v as i8 as i64,
+        DType::I16 => v as i16 as i64,
+        DType::I32 => v as i32 as i64,
+        DType::U32 => v as u32 as i64,
+        _ => v,
+    }
 }
 
 /// histogramdd's input [..., N] as [M, N] rows, and N.
@@ -1670,7 +1746,9 @@ fn histdd_count(c: &mut Ctx, x: Value, m: i64, edges: &[Value], dt: DType) -> Va
     let nbs: Vec<i64> = edges.iter().map(|e| b.shape(*e)[0] - 1).collect();
     let total: i64 = nbs.iter().product();
     if total == 0 || m == 0 {
-        return b.full(dt, &nbs, 0.0);
+        // No rows: a density is 0 / 0 in every bin, as the CPU computes it.
+        let v = if density && total > 0 { f64::NAN } else { 0.0 };
+        return b.full(dt, &nbs, v);
     }
     let mut flat = b.full(DType::I64, &[m], 0.0);
     let mut inside = b.full(DType::Bool, &[m], 1.0);

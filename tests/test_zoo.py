@@ -1,0 +1,102 @@
+"""The model zoo's fixed CI sample (`python -m torch_pjrt.zoo --sample ci`): real Hugging
+Face, timm and torchvision models built from their configs with random weights, run on tpu
+and on the CPU. Every model that runs on the CPU must run on tpu and match it, in each eager
+mode and compiled, with no CPU fallback. Runs in Strict's job only (marker `slow`): it starts
+its own worker processes in each mode."""
+
+import importlib.util
+import os
+
+import pytest
+
+from torch_pjrt import zoo
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not all(importlib.util.find_spec(m) for m in ("transformers", "timm", "torchvision")),
+        reason="the zoo extra (transformers, timm, torchvision) is not installed"),
+]
+
+# Models of the sample that the CPU itself cannot run with the zoo's generic small config
+# (not counted by the zoo either); the test checks that the list stays true.
+CPU_ERRORS = set()
+
+
+def _check(records, names):
+    assert [r["model"] for r in records] == list(names)
+    bad = [r for r in records if r["status"] not in ("pass", "cpu_error")]
+    assert not bad, "\n".join(f"{r['model']}: {r['status']} {r.get('error', '')} "
+                              f"{r.get('max_rel', '')}" for r in bad)
+    cpu = {r["model"] for r in records if r["status"] == "cpu_error"}
+    assert cpu <= CPU_ERRORS, f"models fail on the CPU: {cpu - CPU_ERRORS}"
+    fell = {r["model"]: sorted(r["fallbacks"]) for r in records if r.get("fallbacks")}
+    assert not fell, f"CPU fallbacks: {fell}"
+    counted = [r for r in records if r["status"] != "cpu_error"]
+    assert len(counted) >= 60 or len(names) < 60
+
+
+@pytest.mark.parametrize("mode", ["strict", "defer_and_fuse", "compile", "debug"])
+def test_ci_sample_forward(mode, tmp_path):
+    os.environ.setdefault("TORCH_TPU_CACHE_DIR", str(tmp_path / "cache"))
+    names = zoo.CI_SAMPLE
+    _check(zoo.run(names, mode=mode, chunk=25, timeout=600, progress=False), names)
+
+
+TRAIN_SAMPLE = ["hf-causal:llama", "hf-causal:gpt2", "hf-causal:qwen3_moe", "hf-s2s:t5",
+                "hf:bert", "hf:vit", "timm:test_vit", "timm:resnet10t", "tv:mobilenet_v3_small",
+                "tv:squeezenet1_1"]
+
+
+@pytest.mark.parametrize("mode", ["strict", "compile"])
+def test_training_sample(mode):
+    _check(zoo.run(TRAIN_SAMPLE, mode=mode, task="train", progress=False), TRAIN_SAMPLE)
+
+
+GENERATE_SAMPLE = ["hf-causal:llama", "hf-causal:gpt2", "hf-causal:mixtral", "hf-s2s:t5",
+                   "hf-s2s:bart"]
+
+
+def test_generation_sample():
+    _check(zoo.run(GENERATE_SAMPLE, task="generate", progress=False), GENERATE_SAMPLE)
+
+
+@pytest.mark.parametrize("flags", [[], ["--static"], ["--sample"]])
+def test_generate_example(flags):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent.parent / "examples" / "generate.py"
+    check = [] if "--sample" in flags else ["--check"]
+    r = subprocess.run([sys.executable, str(script), "--train-steps", "5", "--tokens", "8",
+                        *flags, *check], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "8 tokens in" in r.stdout and "0 CPU fallback calls" in r.stdout
+    if check:
+        assert "tokens agree" in r.stdout
+
+
+def test_summary_counts_only_models_that_run_on_the_cpu():
+    recs = [{"model": "a", "status": "pass"}, {"model": "b", "status": "mismatch"},
+            {"model": "c", "status": "cpu_error"}, {"model": "d", "status": "error",
+                                                    "fallbacks": {"aten::x": 1}}]
+    s = zoo.summary(recs)
+    assert s["run_on_cpu"] == 3 and s["match_pct"] == 33.3 and s["run_pct"] == 66.7
+
+
+def test_compare_reports_the_largest_difference():
+    import torch
+
+    want = [torch.tensor([1.0, 100.0])]
+    res = zoo.compare([torch.tensor([1.0, 100.5])], want, 1e-4)
+    assert not res["ok"] and res["max_abs"] == pytest.approx(0.5)
+    assert res["max_rel"] == pytest.approx(0.005)
+    assert zoo.compare([torch.tensor([1.0, 100.0 + 1e-3])], want, 1e-4)["elementwise"]
+    res = zoo.compare([torch.tensor([1.0, float("nan")])], want, 1e-4)
+    assert not res["ok"] and "NaN" in res["why"]
+    # Rounding of a 1e7 activation in a small output: off element by element only.
+    big = [torch.tensor([3e7, 1.0])]
+    res = zoo.compare([torch.tensor([3e7 + 2.0, 1.5])], big, 1e-4)
+    assert res["ok"] and not res["elementwise"]
+    assert not zoo.compare([torch.tensor([3e7, 2e4])], big, 1e-4)["ok"]
