@@ -52,3 +52,62 @@ def test_weight_norm_module_in_a_conv(eager_mode, seed):
     conv(x).sum().backward()
     assert_close([p.grad for p in tconv.parameters()], [p.grad for p in conv.parameters()],
                  atol=1e-5, rtol=1e-5)
+
+
+def _mha_case(mask, need_weights, average, seed=0):
+    torch.manual_seed(seed)
+    mha = torch.nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x = torch.randn(3, 5, 16)
+    kw = {"need_weights": need_weights, "average_attn_weights": average}
+    if mask == "padding":
+        kw["key_padding_mask"] = torch.tensor([[False] * 5, [False] * 3 + [True] * 2,
+                                               [True] * 5])
+    elif mask == "causal":
+        kw["attn_mask"] = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    elif mask == "both":
+        kw["key_padding_mask"] = torch.tensor([[False] * 4 + [True]] * 3)
+        kw["attn_mask"] = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    return mha, x, kw
+
+
+@pytest.mark.parametrize("mask", [None, "padding", "causal", "both"])
+@pytest.mark.parametrize("need_weights,average", [(False, True), (True, True), (True, False)])
+def test_multihead_attention_fast_path(eager_mode, mask, need_weights, average):
+    # In eval mode without grad nn.MultiheadAttention calls _native_multi_head_attention on
+    # tpu, as on CUDA (torchvision's ViT, nn.TransformerEncoder users).
+    mha, x, kw = _mha_case(mask, need_weights, average)
+    tmha = copy.deepcopy(mha).to("tpu")
+    tkw = {k: v.to("tpu") if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    with torch.no_grad():
+        torch_pjrt.reset_metrics()
+        xt = x.to("tpu")
+        got = tmha(xt, xt, xt, **tkw)
+        assert not fallbacks(), fallbacks()
+        assert torch_pjrt.metrics()["ops"].get("aten::_native_multi_head_attention", (0, 0))[0]
+        want = mha(x, x, x, **kw)
+    assert (got[1] is None) == (want[1] is None)
+    assert_close([t for t in got if t is not None], [t for t in want if t is not None],
+                 atol=1e-5, rtol=1e-5)
+
+
+def test_torchvision_style_encoder_block(seed):
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True,
+                                             norm_first=True).eval()
+    x = torch.randn(2, 7, 16)
+    with torch.no_grad():
+        got = copy.deepcopy(layer).to("tpu")(x.to("tpu"))
+        assert_close(got, layer(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask_type,shape", [(0, (5, 5)), (1, (3, 5)), (2, (3, 4, 5, 5))])
+def test_native_multi_head_attention_with_a_bool_mask(mask_type, shape, seed):
+    mha, x, _ = _mha_case(None, True, True)
+    mask = torch.rand(shape) > 0.6
+    mask[..., 0] = False  # no row masked entirely (the CPU kernel's result there is its own)
+    args = (x, x, x, 16, 4, mha.in_proj_weight.detach(), mha.in_proj_bias.detach(),
+            mha.out_proj.weight.detach(), mha.out_proj.bias.detach(), mask, True, False, mask_type)
+    torch_pjrt.reset_metrics()
+    got = torch._native_multi_head_attention(
+        *[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args])
+    assert not fallbacks(), fallbacks()
+    assert_close(got, torch._native_multi_head_attention(*args), atol=1e-5, rtol=1e-5)

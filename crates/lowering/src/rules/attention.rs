@@ -1,5 +1,5 @@
 //! Attention: the CPU flash-attention entry points of scaled_dot_product_attention,
-//! forward and backward.
+//! forward and backward, and nn.MultiheadAttention's inference fast path.
 
 use super::nn_common::*;
 use super::opmath;
@@ -236,7 +236,163 @@ fn sdpa_flash_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     ])
 }
 
+/// `x @ w[rows]^T + bias[rows]`: one of the packed projections of `[3E, E]` / `[3E]`.
+fn packed_linear(b: &mut Builder, x: Value, w: Value, bias: Value, rows: (i64, i64)) -> Value {
+    let xs = b.shape(x);
+    let w = b.slice_dim(w, 0, rows.0, rows.1, 1);
+    let y = b.dot_general(x, w, (&[], &[]), (&[2], &[1]), b.dtype(x));
+    let bias = b.slice_dim(bias, 0, rows.0, rows.1, 1);
+    let bias = b.broadcast_in_dim(bias, &[xs[0], xs[1], rows.1 - rows.0], &[2]);
+    b.add(y, bias)
+}
+
+/// `_native_multi_head_attention`: nn.MultiheadAttention's inference fast path, which
+/// PyTorch takes on tpu as on CUDA. Packed input projection, scores scaled by
+/// 1/sqrt(head dim), the merged mask (boolean, True masked out, a fully masked row giving
+/// zeros; or additive float; mask_type 1 is a [B, S] key padding mask, else it broadcasts to
+/// [B, H, L, S]), output
+/// projection, and the attention weights (averaged over heads) when asked.
+fn native_mha(c: &mut Ctx) -> LResult<Vec<Out>> {
+    const OP: &str = "_native_multi_head_attention";
+    let q = tensor(c, "query")?;
+    let k = tensor(c, "key")?;
+    let v = tensor(c, "value")?;
+    let e = c.args.int("embed_dim")?;
+    let h = c.args.int("num_head")?;
+    let [w, wb, pw, pb] =
+        ["qkv_weight", "qkv_bias", "proj_weight", "proj_bias"].map(|n| c.args.tensor(n).cloned());
+    let (w, wb, pw, pb) = (w?, wb?, pw?, pb?);
+    let mask = c.args.opt_tensor("mask").cloned();
+    let need_weights = c.args.bool_or("need_weights", true);
+    let average = c.args.bool_or("average_attn_weights", true);
+    let mask_type = c.args.opt_int("mask_type");
+    for (name, t) in [("query", &q), ("key", &k), ("value", &v)] {
+        if t.shape.len() != 3 {
+            return user_err(
+                ErrorKind::Runtime,
+                format!("expected 3-D `{name}`, got {}-D tensor", t.shape.len()),
+            );
+        }
+    }
+    if q.shape[2] != e {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "passed-in embed_dim {e} didn't match last dim of query {}",
+                q.shape[2]
+            ),
+        );
+    }
+    let (bsz, l, s) = (q.shape[0], q.shape[1], k.shape[1]);
+    if !q.dtype.is_float()
+        || h <= 0
+        || e % h != 0
+        || k.shape != [bsz, s, e]
+        || v.shape != k.shape
+        || l != s
+        || w.shape != [3 * e, e]
+        || wb.shape != [3 * e]
+        || pw.shape != [e, e]
+        || pb.shape != [e]
+        || [&k, &v, &w, &wb, &pw, &pb]
+            .iter()
+            .any(|t| t.dtype != q.dtype)
+    {
+        return decline(format!(
+            "{OP}: shapes or dtypes the CPU kernel would refuse"
+        ));
+    }
+    let full = [bsz, h, l, s];
+    let mask_dims: Option<Vec<i64>> = match (&mask, mask_type) {
+        (None, _) => None,
+        (Some(m), Some(1)) if m.shape == [bsz, s] => Some(vec![0, 3]),
+        (Some(m), _) if m.shape.len() <= 4 => {
+            let off = 4 - m.shape.len();
+            let fits = m
+                .shape
+                .iter()
+                .enumerate()
+                .all(|(i, d)| *d == 1 || *d == full[off + i]);
+            if !fits {
+                return decline(format!("{OP}: a mask that does not broadcast"));
+            }
+            Some((off as i64..4).collect())
+        }
+        _ => return decline(format!("{OP}: mask of rank > 4")),
+    };
+    let dt = q.dtype;
+    let cd = opmath(dt);
+    let d = e / h;
+    let b = &mut *c.b;
+    let [qv, kv, vv, w, wb, pw, pb] = [
+        q.value, k.value, v.value, w.value, wb.value, pw.value, pb.value,
+    ]
+    .map(|x| b.convert(x, cd));
+    let heads = |b: &mut Builder, x: Value| {
+        let x = b.reshape(x, &[bsz, l, h, d]);
+        b.transpose(x, &[0, 2, 1, 3])
+    };
+    let qp = packed_linear(b, qv, w, wb, (0, e));
+    let kp = packed_linear(b, kv, w, wb, (e, 2 * e));
+    let vp = packed_linear(b, vv, w, wb, (2 * e, 3 * e));
+    let qh = heads(b, qp);
+    let sc = b.splat(qh, 1.0 / (d as f64).sqrt());
+    let qh = b.mul(qh, sc);
+    let kh = heads(b, kp);
+    let vh = heads(b, vp);
+    let scores = b.dot_general(qh, kh, (&[0, 1], &[0, 1]), (&[3], &[3]), cd);
+    let (scores, masked) = match (&mask, &mask_dims) {
+        (Some(m), Some(dims)) => {
+            let shape: Vec<i64> = dims.iter().map(|d| full[*d as usize]).collect();
+            let mv = b.reshape(m.value, &shape);
+            let mv = b.broadcast_in_dim(mv, &full, dims);
+            if m.dtype == DType::Bool {
+                let ninf = b.splat(scores, f64::NEG_INFINITY);
+                (b.select(mv, ninf, scores), Some(mv))
+            } else {
+                // nn.MultiheadAttention merges its masks into an additive float mask; a
+                // row it masks entirely is NaN (0 / 0), as on the CPU.
+                let mv = b.convert(mv, cd);
+                (b.add(scores, mv), None)
+            }
+        }
+        _ => (scores, None),
+    };
+    let mx = b.reduce(scores, &[3], ReduceKind::Max);
+    let ninf = b.splat(mx, f64::NEG_INFINITY);
+    let empty = b.compare(mx, ninf, CmpDir::Eq);
+    let z = b.splat(mx, 0.0);
+    let mx = b.select(empty, z, mx);
+    let mxb = b.broadcast_in_dim(mx, &full, &[0, 1, 2]);
+    let ex = b.sub(scores, mxb);
+    let ex = b.exp(ex);
+    let sum = b.reduce(ex, &[3], ReduceKind::Sum);
+    let sumb = b.broadcast_in_dim(sum, &full, &[0, 1, 2]);
+    let mut p = b.div(ex, sumb);
+    if let Some(mv) = masked {
+        // A fully masked row: 0 / 0 above; the CPU's masked softmax gives zeros.
+        let zp = b.splat(p, 0.0);
+        p = b.select(mv, zp, p);
+    }
+    let ctx = b.dot_general(p, vh, (&[0, 1], &[0, 1]), (&[3], &[2]), cd);
+    let ctx = b.transpose(ctx, &[0, 2, 1, 3]);
+    let ctx = b.reshape(ctx, &[bsz, l, e]);
+    let proj = packed_linear(b, ctx, pw, pb, (0, e));
+    let weights = if !need_weights {
+        Out::None
+    } else if average {
+        let sum = b.reduce(p, &[1], ReduceKind::Sum);
+        let nh = b.splat(sum, h as f64);
+        let avg = b.div(sum, nh);
+        Out::T(b.convert(avg, dt))
+    } else {
+        Out::T(b.convert(p, dt))
+    };
+    Ok(vec![Out::T(b.convert(proj, dt)), weights])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
+    ("aten::_native_multi_head_attention", native_mha),
     (
         "aten::_scaled_dot_product_flash_attention_for_cpu",
         sdpa_flash,
