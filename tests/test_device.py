@@ -276,3 +276,26 @@ def test_defer_and_fuse(name):
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-2000:]
+
+
+def test_moving_a_module_keeps_its_parameters_and_their_ties():
+    # PyTorch replaces the Parameters of a module moved to a PrivateUse1 device (they are not
+    # "shallow-copy compatible" with CPU tensors), which unties shared weights; CUDA keeps
+    # them. So does tpu: each move swaps the tensors into the same Parameter objects.
+    emb = torch.nn.Embedding(10, 4)
+    model = torch.nn.ModuleDict({"emb": emb, "head": torch.nn.Linear(4, 10, bias=False)})
+    model["head"].weight = emb.weight
+    before = list(model.parameters())
+    emb.weight.grad = torch.ones(10, 4)
+    for move in (lambda m: m.to("tpu"), lambda m: m.cpu(), lambda m: m.tpu(),
+                 lambda m: m.to(torch.float64), lambda m: m.to("cpu", torch.float32)):
+        move(model)
+        assert model["head"].weight is model["emb"].weight
+        assert all(a is b for a, b in zip(before, model.parameters(), strict=True))
+    assert emb.weight.grad.device.type == "cpu" and emb.weight.device.type == "cpu"
+    model.to("tpu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out = model["head"](model["emb"](torch.tensor([1, 2], device="tpu")))
+    out.sum().backward()
+    opt.step()
+    assert model["head"].weight is model["emb"].weight and emb.weight.device.type == "tpu"

@@ -59,6 +59,9 @@ def _register():
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True
         )
     from . import device as _device
+    from . import modules as _modules
+
+    _modules.install()
 
     if not hasattr(torch, "tpu"):
         torch._register_device_module("tpu", _device)

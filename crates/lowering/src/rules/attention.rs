@@ -157,13 +157,9 @@ fn sdpa_scores(b: &mut Builder, a: &Sdpa) -> (Value, Value, Value, Value) {
     (s, q, k, v)
 }
 
-/// `_scaled_dot_product_flash_attention_for_cpu`: (output, logsumexp). Rows masked out
-/// entirely give zeros and a logsumexp of 0, as the CPU kernel returns.
-fn sdpa_flash(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let a = sdpa_args(c)?;
-    let b = &mut *c.b;
-    let dt = a.q.dtype;
-    let (s, _, _, v) = sdpa_scores(b, &a);
+/// `exp(s - max)` over the last dim of [B, H, L, S] scores, the row max (0 for a row that
+/// is all -inf, so it gives zeros, not NaN) and which rows are all -inf.
+fn shifted_exp(b: &mut Builder, s: Value) -> (Value, Value, Value) {
     let shape = b.shape(s);
     let m = b.reduce(s, &[3], ReduceKind::Max);
     let ninf = b.splat(m, f64::NEG_INFINITY);
@@ -172,7 +168,18 @@ fn sdpa_flash(c: &mut Ctx) -> LResult<Vec<Out>> {
     let m = b.select(empty, z, m);
     let mb = b.broadcast_in_dim(m, &shape, &[0, 1, 2]);
     let d = b.sub(s, mb);
-    let p = b.exp(d);
+    (b.exp(d), m, empty)
+}
+
+/// `_scaled_dot_product_flash_attention_for_cpu`: (output, logsumexp). Rows masked out
+/// entirely give zeros and a logsumexp of 0, as the CPU kernel returns.
+fn sdpa_flash(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = sdpa_args(c)?;
+    let b = &mut *c.b;
+    let dt = a.q.dtype;
+    let (s, _, _, v) = sdpa_scores(b, &a);
+    let (p, m, empty) = shifted_exp(b, s);
+    let z = b.splat(m, 0.0);
     let l = b.reduce(p, &[3], ReduceKind::Sum);
     let pr = sdpa_round(b, p, dt);
     let o = b.dot_general(pr, v, (&[0, 1], &[0, 1]), (&[3], &[2]), opmath(dt));
@@ -358,14 +365,7 @@ fn native_mha(c: &mut Ctx) -> LResult<Vec<Out>> {
         }
         _ => (scores, None),
     };
-    let mx = b.reduce(scores, &[3], ReduceKind::Max);
-    let ninf = b.splat(mx, f64::NEG_INFINITY);
-    let empty = b.compare(mx, ninf, CmpDir::Eq);
-    let z = b.splat(mx, 0.0);
-    let mx = b.select(empty, z, mx);
-    let mxb = b.broadcast_in_dim(mx, &full, &[0, 1, 2]);
-    let ex = b.sub(scores, mxb);
-    let ex = b.exp(ex);
+    let (ex, _, _) = shifted_exp(b, scores);
     let sum = b.reduce(ex, &[3], ReduceKind::Sum);
     let sumb = b.broadcast_in_dim(sum, &full, &[0, 1, 2]);
     let mut p = b.div(ex, sumb);

@@ -1449,6 +1449,31 @@ fn vdot(c: &mut Ctx) -> LResult<Vec<Out>> {
     ))])
 }
 
+/// histc's counts in `dt`: `pos` [n] is each value's bin (the top edge's value lands in the
+/// last bin); values outside `[lo, hi]` are not counted.
+fn count_bins(
+    b: &mut Builder,
+    x: Value,
+    (lo_b, hi_b): (Value, Value),
+    pos: Value,
+    bins: i64,
+    dt: DType,
+) -> Value {
+    let n = b.shape(x)[0];
+    let last = b.full(DType::I64, &[n], (bins - 1) as f64);
+    let pos = b.min(pos, last);
+    let below = b.compare(x, lo_b, CmpDir::Lt);
+    let above = b.compare(hi_b, x, CmpDir::Lt);
+    let out = b.or(below, above);
+    let none = b.full(DType::I64, &[n], -1.0);
+    let pos = b.select(out, none, pos);
+    let pb = b.broadcast_in_dim(pos, &[n, bins], &[0]);
+    let ids = b.iota(DType::I64, &[n, bins], 1);
+    let hit = b.compare(pb, ids, CmpDir::Eq);
+    let hit = b.convert(hit, dt);
+    b.reduce(hit, &[0], ReduceKind::Sum)
+}
+
 fn histc(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = input(c)?;
     let bins = c.args.int_or("bins", 100);
@@ -1516,18 +1541,7 @@ fn histc(c: &mut Ctx) -> LResult<Vec<Out>> {
     let width = b.sub(hi_b, lo_b);
     let pos = b.div(num, width);
     let pos = b.convert(pos, DType::I64);
-    let last = b.full(DType::I64, &[n], (bins - 1) as f64);
-    let pos = b.min(pos, last);
-    let below = b.compare(x, lo_b, CmpDir::Lt);
-    let above = b.compare(hi_b, x, CmpDir::Lt);
-    let out = b.or(below, above);
-    let none = b.full(DType::I64, &[n], -1.0);
-    let pos = b.select(out, none, pos);
-    let pb = b.broadcast_in_dim(pos, &[n, bins], &[0]);
-    let ids = b.iota(DType::I64, &[n, bins], 1);
-    let hit = b.compare(pb, ids, CmpDir::Eq);
-    let hit = b.convert(hit, dt);
-    Ok(vec![Out::T(b.reduce(hit, &[0], ReduceKind::Sum))])
+    Ok(vec![Out::T(count_bins(b, x, (lo_b, hi_b), pos, bins, dt))])
 }
 
 /// Integer histc with CUDA's semantics (the CPU has no integer kernel; mixture-of-experts
@@ -1577,18 +1591,7 @@ fn histc_int(c: &mut Ctx, t: &TensorArg, bins: i64) -> LResult<Vec<Out>> {
     let num = b.mul(num, k);
     let width = b.sub(hi_b, lo_b);
     let pos = b.div(num, width);
-    let last = b.full(DType::I64, &[n], (bins - 1) as f64);
-    let pos = b.min(pos, last);
-    let below = b.compare(x, lo_b, CmpDir::Lt);
-    let above = b.compare(hi_b, x, CmpDir::Lt);
-    let out = b.or(below, above);
-    let none = b.full(DType::I64, &[n], -1.0);
-    let pos = b.select(out, none, pos);
-    let pb = b.broadcast_in_dim(pos, &[n, bins], &[0]);
-    let ids = b.iota(DType::I64, &[n, bins], 1);
-    let hit = b.compare(pb, ids, CmpDir::Eq);
-    let hit = b.convert(hit, dt);
-    Ok(vec![Out::T(b.reduce(hit, &[0], ReduceKind::Sum))])
+    Ok(vec![Out::T(count_bins(b, x, (lo_b, hi_b), pos, bins, dt))])
 }
 
 /// `v` as C++ converts an int64 to integer type `dt` (two's-complement wrapping).
