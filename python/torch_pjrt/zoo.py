@@ -416,11 +416,18 @@ def _train(model, kw, compiled, steps=3):
                  "decoder_layerdrop"):  # training-time randomness of audio and seq2seq models
         if cfg is not None and getattr(cfg, attr, None):
             setattr(cfg, attr, 0.0)
-    for m in model.modules():  # dropout off: the two devices draw other numbers
-        if isinstance(m, torch.nn.Dropout) or "Dropout" in type(m).__name__:
-            m.p = 0.0
-        if hasattr(m, "drop_prob"):  # stochastic depth
-            m.drop_prob = 0.0
+    # Dropout and stochastic depth off: the two devices draw other random numbers. Modules
+    # (nn.Dropout, timm's DropPath, torchvision's StochasticDepth) and the float rates that
+    # models pass to F.dropout themselves (Hugging Face's `self.dropout = config.dropout`).
+    for m in model.modules():
+        name = type(m).__name__
+        if isinstance(m, torch.nn.Dropout) or "Drop" in name or "StochasticDepth" in name:
+            if isinstance(getattr(m, "p", None), float):
+                m.p = 0.0
+        for k, v in list(vars(m).items()):
+            if isinstance(v, float) and ("dropout" in k or k in ("drop_rate", "drop_prob",
+                                                                "drop_path_rate", "layerdrop")):
+                setattr(m, k, 0.0)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     fn = torch.compile(model, backend="tpu") if compiled else model
     losses = []
