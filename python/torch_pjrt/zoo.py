@@ -448,7 +448,8 @@ def _generate(model, kw, compiled, sample=False, static=False):
     ids = kw["input_ids"][:1, :6]
     gen = {"max_new_tokens": 8, "do_sample": sample, "pad_token_id": 0}
     cfg = model.config
-    if getattr(cfg, "is_encoder_decoder", False) and cfg.decoder_start_token_id is None:
+    start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
+    if getattr(cfg, "is_encoder_decoder", False) and start is None:
         gen["decoder_start_token_id"] = getattr(cfg, "bos_token_id", None) or 0
     if sample:
         torch.manual_seed(0)
