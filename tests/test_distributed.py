@@ -338,7 +338,8 @@ for kwargs in [forms[int(os.environ.get("FORM", "0"))]]:
     # only the accelerator's.
     if "cpu:gloo" in kwargs.get("backend", ""):
         dist.all_reduce(c, op=dist.ReduceOp.MAX)  # CPU tensors: Gloo
-    print("RESULT", dist.get_rank(), t.device, t.cpu().tolist(), c.tolist(), flush=True)
+    # One write per line: the ranks share torchrun's stdout, and print() writes in pieces.
+    os.write(1, f"RESULT {dist.get_rank()} {t.device} {t.cpu().tolist()} {c.tolist()}\\n".encode())
     dist.destroy_process_group()
 """
 

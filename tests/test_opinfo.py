@@ -241,12 +241,22 @@ def _tpu_device(x):
     return x
 
 
+def _takes_device(name):
+    """Whether the ATen op behind an OpInfo name has a `device` argument (a factory)."""
+    packet = getattr(torch.ops.aten, name.split(".")[0], None)
+    if packet is None:
+        return False
+    return any(a.name == "device" for ov in packet.overloads()
+               for a in getattr(packet, ov)._schema.arguments)
+
+
 def move_sample(name, sample):
     """A copy of the sample with its tensors on tpu (some stay on the CPU, see CPU_ARGS)."""
     args = sample.args if name in CPU_ARGS else to_tpu(sample.args)
     args, kwargs = tree_map(_tpu_device, (args, to_tpu(sample.kwargs)))
     leaves = tree_flatten((sample.input, sample.args, sample.kwargs))[0]
-    if "device" not in kwargs and not any(isinstance(x, torch.Tensor) for x in leaves):
+    if ("device" not in kwargs and _takes_device(name)
+            and not any(isinstance(x, torch.Tensor) for x in leaves)):
         # A factory sample that names no device (torch.arange(2)) makes a CPU tensor on
         # both sides; its tpu twin asks for tpu.
         kwargs = {**kwargs, "device": "tpu"}

@@ -6,10 +6,12 @@
 
 Models are built offline from their configs with random weights (no download). Each runs on
 the CPU (twice: a model whose two CPU runs differ is "nondeterministic") and on tpu from the
-same weights and inputs; outputs are compared elementwise (float32: rtol = atol = 1e-4;
-bfloat16: 5e-2). A result is one of: pass, mismatch (with the largest difference), error (with
-its message), cpu_error (the model fails on the CPU too; not counted), nondeterministic,
-crash/timeout (the worker process died or hung). CPU fallbacks are counted per model.
+same weights and inputs; outputs are compared per element (float32: 1e-4, bfloat16: 5e-2, the
+absolute part scaled to the output's magnitude; see `compare`), and a float32 mismatch is
+refereed by a float64 run. A result is one of: pass, mismatch (with the largest difference),
+error (with its message), cpu_error (the model fails on the CPU too; not counted),
+nondeterministic, crash/timeout (the worker process died or hung). CPU fallbacks are counted
+per model.
 
 Models run in worker processes (``--chunk`` models each, so compiled programs do not pile up
 in one process); a worker that crashes or hangs costs only its current model. Needs the
@@ -29,6 +31,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -605,7 +608,6 @@ def run(names, mode="strict", dtype="float32", chunk=20, timeout=600, progress=T
                                 text=True)
         err_tail = []
         current, started, on_tpu = None, time.time(), False
-        import threading
 
         def drain(p=proc, tail=err_tail):
             for line in p.stderr:
