@@ -1,8 +1,8 @@
 """The model zoo's fixed CI sample (`python -m torch_pjrt.zoo --sample ci`): real Hugging
 Face, timm and torchvision models built from their configs with random weights, run on tpu
 and on the CPU. Every model that runs on the CPU must run on tpu and match it, in each eager
-mode and compiled, with no CPU fallback. Runs in Strict's job only (marker `slow`): it starts
-its own worker processes in each mode."""
+mode and compiled, with no CPU fallback. The model runs are marked `slow` (Strict's job only:
+they start their own worker processes in each mode); the helpers' tests run in every job."""
 
 import importlib.util
 import os
@@ -12,7 +12,6 @@ import pytest
 from torch_pjrt import zoo
 
 pytestmark = [
-    pytest.mark.slow,
     pytest.mark.skipif(
         not all(importlib.util.find_spec(m) for m in ("transformers", "timm", "torchvision")),
         reason="the zoo extra (transformers, timm, torchvision) is not installed"),
@@ -44,6 +43,7 @@ def _check(records, names):
 
 
 # Debug runs Strict's programs, one op at a time: `python -m torch_pjrt.zoo --mode debug`.
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["strict", "defer_and_fuse", "compile"])
 def test_ci_sample_forward(mode, tmp_path):
     os.environ.setdefault("TORCH_TPU_CACHE_DIR", str(tmp_path / "cache"))
@@ -56,6 +56,7 @@ TRAIN_SAMPLE = ["hf-causal:llama", "hf-causal:gpt2", "hf-causal:qwen3_moe", "hf-
                 "tv:squeezenet1_1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["strict", "compile"])
 def test_training_sample(mode):
     # Compiled: not qwen3_moe, whose third compiled step's loss is 3.6e-4 off the CPU's (the
@@ -70,10 +71,12 @@ GENERATE_SAMPLE = ["hf-causal:llama", "hf-causal:gpt2", "hf-causal:mixtral", "hf
                    "hf-s2s:bart"]
 
 
+@pytest.mark.slow
 def test_generation_sample():
     _check(zoo.run(GENERATE_SAMPLE, task="generate", progress=False), GENERATE_SAMPLE)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [[], ["--static"], ["--sample"]])
 def test_generate_example(flags):
     import subprocess
@@ -90,6 +93,7 @@ def test_generate_example(flags):
         assert "tokens agree" in r.stdout
 
 
+@pytest.mark.slow
 def test_compiled_static_cache_decode_compiles_once():
     import copy
 
