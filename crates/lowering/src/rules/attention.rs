@@ -257,8 +257,8 @@ fn packed_linear(b: &mut Builder, x: Value, w: Value, bias: Value, rows: (i64, i
 /// PyTorch takes on tpu as on CUDA. Packed input projection, scores scaled by
 /// 1/sqrt(head dim), the merged mask (boolean, True masked out, a fully masked row giving
 /// zeros; or additive float; mask_type 1 is a [B, S] key padding mask, else it broadcasts to
-/// [B, H, L, S]), output
-/// projection, and the attention weights (averaged over heads) when asked.
+/// [B, H, L, S]), output projection, and the attention weights (averaged over heads) when
+/// asked.
 fn native_mha(c: &mut Ctx) -> LResult<Vec<Out>> {
     const OP: &str = "_native_multi_head_attention";
     let q = tensor(c, "query")?;

@@ -359,6 +359,25 @@ pub fn scalar_value(c: &mut Ctx, name: &str, like: Value) -> LResult<Option<(Val
     }
 }
 
+/// The logistic function (pointwise `sigmoid`, the gates of recurrent cells).
+pub fn sigmoid(b: &mut Builder, x: Value) -> Value {
+    b.unary("stablehlo.logistic", x)
+}
+
+/// sigmoid's derivative from its output `y`: `y * (1 - y)`.
+pub fn sigmoid_grad(b: &mut Builder, y: Value) -> Value {
+    let one = b.splat(y, 1.0);
+    let t = b.sub(one, y);
+    b.mul(y, t)
+}
+
+/// tanh's derivative from its output `y`: `1 - y * y`.
+pub fn tanh_grad(b: &mut Builder, y: Value) -> Value {
+    let one = b.splat(y, 1.0);
+    let y2 = b.mul(y, y);
+    b.sub(one, y2)
+}
+
 /// The dtype a kernel accumulates in (PyTorch's opmath type: f32 for f16/bf16).
 pub fn opmath(d: DType) -> DType {
     match d {

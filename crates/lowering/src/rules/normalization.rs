@@ -576,7 +576,7 @@ fn group_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
 }
 
 /// The dims `_weight_norm_interface` reduces over (all but `dim`, which must be the first or
-/// the last, as the CPU and CUDA kernels require) and the norm's dtype (f32 for bfloat16 `g`).
+/// the last, as the CPU and CUDA kernels require), and `dim` itself.
 fn weight_norm_dims(c: &Ctx, v: &TensorArg, g: &TensorArg) -> LResult<(Vec<i64>, i64)> {
     let r = v.shape.len() as i64;
     let dim = c.args.int_or("dim", 0);

@@ -1,7 +1,9 @@
 //! Pointwise rules: arithmetic, math functions, comparisons, activations and their backward.
 
 use super::opmath;
-use super::{common, mat, opnd, promote, same, scalar_value, Opnd};
+use super::{
+    common, mat, opnd, promote, same, scalar_value, sigmoid, sigmoid_grad, tanh_grad, Opnd,
+};
 use crate::promote::to_float;
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, Value};
 use stablehlo::CmpDir;
@@ -193,10 +195,6 @@ fn pow(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 fn erf(b: &mut Builder, x: Value) -> Value {
     b.unary("chlo.erf", x)
-}
-
-fn sigmoid(b: &mut Builder, x: Value) -> Value {
-    b.unary("stablehlo.logistic", x)
 }
 
 fn relu(b: &mut Builder, x: Value) -> Value {
@@ -694,20 +692,8 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::gelu", gelu),
     ("aten::gelu_backward", gelu_backward),
     ("aten::silu_backward", silu_backward),
-    ("aten::sigmoid_backward", |c| {
-        out_backward(c, |b, y| {
-            let one = b.splat(y, 1.0);
-            let t = b.sub(one, y);
-            b.mul(y, t)
-        })
-    }),
-    ("aten::tanh_backward", |c| {
-        out_backward(c, |b, y| {
-            let one = b.splat(y, 1.0);
-            let y2 = b.mul(y, y);
-            b.sub(one, y2)
-        })
-    }),
+    ("aten::sigmoid_backward", |c| out_backward(c, sigmoid_grad)),
+    ("aten::tanh_backward", |c| out_backward(c, tanh_grad)),
     ("aten::threshold", threshold),
     ("aten::threshold_backward", threshold_backward),
     ("aten::clamp", clamp),

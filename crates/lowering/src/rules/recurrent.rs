@@ -3,7 +3,7 @@
 //! saves the activated gates in a workspace for the backward; both are ours, so its layout
 //! is ours too. Reduced-precision floats compute in f32 and round once.
 
-use super::opmath;
+use super::{opmath, sigmoid, sigmoid_grad as dsigmoid, tanh_grad as dtanh};
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value};
 use stablehlo::ReduceKind;
 
@@ -15,25 +15,8 @@ fn chunks(b: &mut Builder, v: Value, k: i64) -> Vec<Value> {
         .collect()
 }
 
-fn sigmoid(b: &mut Builder, x: Value) -> Value {
-    b.unary("stablehlo.logistic", x)
-}
-
-/// `1 - y * y` (tanh') and `y * (1 - y)` (sigmoid') from the activation's value.
-fn dtanh(b: &mut Builder, y: Value) -> Value {
-    let one = b.splat(y, 1.0);
-    let yy = b.mul(y, y);
-    b.sub(one, yy)
-}
-
-fn dsigmoid(b: &mut Builder, y: Value) -> Value {
-    let one = b.splat(y, 1.0);
-    let d = b.sub(one, y);
-    b.mul(y, d)
-}
-
-/// The gates' pre-activation sums: input_gates + hidden_gates (+ both biases), in opmath.
-/// Returns the two gate tensors too (GRU keeps them apart) and the compute dtype.
+/// The checked gate inputs in opmath: (input_gates + input_bias, hidden_gates + hidden_bias,
+/// the state), kept apart because GRU's candidate gate uses them apart; and the input dtype.
 fn gate_inputs(
     c: &mut Ctx,
     op: &str,
