@@ -142,6 +142,15 @@ def _hf_model(kind, model_type, variant=0):
     return model, _hf_inputs(model, cfg)
 
 
+def _pixels(vis, g):
+    """Two random images of a vision config's size and channels."""
+    import torch
+
+    size = getattr(vis, "image_size", 32)
+    size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
+    return torch.randn(2, getattr(vis, "num_channels", 3), *size[-2:], generator=g)
+
+
 def _hf_inputs(model, cfg):
     import torch
 
@@ -158,11 +167,7 @@ def _hf_inputs(model, cfg):
         if getattr(cfg, "is_encoder_decoder", False) and "decoder_input_ids" in params:
             kw["decoder_input_ids"] = torch.randint(3, max(4, min(vocab, 1000)), (2, 7), generator=g)
     elif name == "pixel_values":
-        vis = getattr(cfg, "vision_config", None) or cfg
-        size = getattr(vis, "image_size", 32)
-        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
-        channels = getattr(vis, "num_channels", 3)
-        kw["pixel_values"] = torch.randn(2, channels, *size[-2:], generator=g)
+        kw["pixel_values"] = _pixels(getattr(cfg, "vision_config", None) or cfg, g)
     elif name == "input_values":
         kw["input_values"] = torch.randn(2, 4000, generator=g)
     elif name == "input_features":
@@ -175,10 +180,7 @@ def _hf_inputs(model, cfg):
         raise NotImplementedError(f"zoo: no inputs for main input {name!r}")
     # Two-tower models (CLIP-like) take both text and images.
     if "pixel_values" in params and "pixel_values" not in kw and hasattr(cfg, "vision_config"):
-        vis = cfg.vision_config
-        size = getattr(vis, "image_size", 32)
-        size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
-        kw["pixel_values"] = torch.randn(2, getattr(vis, "num_channels", 3), *size[-2:], generator=g)
+        kw["pixel_values"] = _pixels(cfg.vision_config, g)
     if "use_cache" in params:
         kw["use_cache"] = False
     return kw
