@@ -128,18 +128,22 @@ def test_generation_with_a_growing_cache_matches_cpu():
     reset()
     got = mt.generate(ids.to("tpu"), 40).cpu()
     assert torch.equal(got, want)
+    torch_pjrt.wait_background()
     m1 = torch_pjrt.metrics()
     # Another prompt length: bucketed programs serve it.
     ids2 = torch.randint(0, 256, (1, 21))
     reset()
     assert torch.equal(mt.generate(ids2.to("tpu"), 20).cpu(), m.generate(ids2, 20))
+    torch_pjrt.wait_background()
     m2 = torch_pjrt.metrics()
     if torch.tpu.eager_mode == torch.tpu.EagerMode.DEFER_AND_FUSE:
         return  # the tokens matched; programs are per graph there
     assert m2["new_shapes_served"] > 0
-    # The decode steps reuse the first call's programs; prefill at a new length still
-    # compiles the ops that were not yet seen changing (#18: not yet "nothing new").
-    built = [sum(c[0] for c in m["programs"].values()) for m in (m1, m2)]
+    # The decode steps reuse the first call's bucketed programs; prefill at a new length
+    # still compiles the ops that were not yet seen changing (#18: not yet "nothing new").
+    # Bucketed programs only: the exact-shape programs compiled in the background for
+    # shapes served again and again depend on how fast that thread runs.
+    built = [sum(c[1] for c in m["programs"].values()) for m in (m1, m2)]
     assert built[1] < built[0], built
 
 
