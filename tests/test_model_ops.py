@@ -111,3 +111,28 @@ def test_native_multi_head_attention_with_a_bool_mask(mask_type, shape, seed):
         *[a.to("tpu") if isinstance(a, torch.Tensor) else a for a in args])
     assert not fallbacks(), fallbacks()
     assert_close(got, torch._native_multi_head_attention(*args), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "value,msg,want",
+    [
+        (torch.tensor(True), None, None),
+        (torch.tensor(2.5), "unused", None),
+        (torch.tensor(0), None, "Expected Tensor with single nonzero value, but got zero"),
+        (torch.tensor([0.0]), "grid not divisible", "grid not divisible"),
+        (torch.tensor(False), "", "Assertion is failed"),
+        (torch.ones(2), None, "with more than one value is ambiguous"),
+        (torch.ones(0), None, "with no values is ambiguous"),
+    ],
+)
+def test_assert_async_raises_as_on_the_cpu(eager_mode, value, msg, want):
+    # timm's gemma4 ViT asserts a property of its grid with torch._assert_async.
+    args = () if msg is None else (msg,)
+    torch_pjrt.reset_metrics()
+    for x in (value, value.to("tpu")):
+        if want is None:
+            torch._assert_async(x, *args)
+        else:
+            with pytest.raises(RuntimeError, match=want):
+                torch._assert_async(x, *args)
+    assert fallbacks() == {}

@@ -2,6 +2,7 @@
 //! static shapes, so these synchronize: the input is read back, the result computed on the
 //! host and uploaded. They are listed in the README as synchronizing ops. `equal` returns
 //! a Python bool, so it synchronizes too: it compares on the device and reads back one bool.
+//! torchvision's `nms` suppresses on the device and reads back the surviving indices.
 
 use std::sync::Arc;
 
@@ -22,6 +23,8 @@ pub fn find(op: &str, params: &[Param]) -> Option<HostOp> {
         "aten::nonzero" => Some(nonzero),
         "aten::masked_select" => Some(masked_select),
         "aten::equal" => Some(equal),
+        "torchvision::nms" if nms_native(params) => Some(nms),
+        "aten::_assert_async" => Some(assert_async),
         "aten::_unique" | "aten::_unique2" => Some(unique_sorted),
         "aten::repeat_interleave" => Some(repeat_interleave),
         "aten::bincount" => Some(bincount),
@@ -655,4 +658,82 @@ fn equal(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
     };
     let b = host_bytes(rt, &t, &[], DType::Bool)?;
     Ok(vec![Ret::Bool(b.first().is_some_and(|v| *v != 0))])
+}
+
+/// Boxes and scores of one dtype torchvision's CPU kernel takes; others go to that kernel
+/// (and its error).
+fn nms_native(params: &[Param]) -> bool {
+    let dt = |n| tensor(params, n).ok().and_then(|t| t.dtype);
+    let d = dt("dets");
+    matches!(d, Some(DType::F32 | DType::F64)) && d == dt("scores")
+}
+
+/// `torchvision::nms`: the rule `torch_pjrt::nms_keep` ranks and suppresses on the device;
+/// the kept indices (their count is the data's) are read back and uploaded, in order.
+fn nms(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    let device = tensor(params, "dets")?.device;
+    let rets = match dispatch(rt, "torch_pjrt::nms_keep", "", params)? {
+        Outcome::Done(r) => r,
+        Outcome::Declined(w) => return Err(Error::runtime(format!("nms: {w}"))),
+        Outcome::Resize(_) => return Err(Error::runtime("nms: unexpected resize")),
+    };
+    let Some(Ret::Tensor { handle, sizes, .. }) = rets.into_iter().next() else {
+        return Err(Error::runtime("nms: the suppression returned no tensor"));
+    };
+    // SAFETY: dispatch returns a fresh handle whose reference we now own.
+    let storage = unsafe { Storage::from_handle(handle) };
+    let n = sizes.first().copied().unwrap_or(0);
+    let t = TensorRef {
+        loc: Loc::Device(Arc::as_ptr(&storage)),
+        dtype: Some(DType::I64),
+        view: View {
+            sizes: vec![n],
+            strides: vec![1],
+            offset: 0,
+        },
+        nbytes: n * 8,
+        wrapped: false,
+        device,
+    };
+    let kept: Vec<i64> = host_ints(rt, &t)?.into_iter().filter(|i| *i >= 0).collect();
+    let count = kept.len() as i64;
+    Ok(vec![new_tensor(
+        rt,
+        &i64_bytes(&kept),
+        DType::I64,
+        vec![count],
+        device,
+    )?])
+}
+
+/// `_assert_async(self[, assert_msg])`: raises unless the one element is nonzero. CUDA
+/// checks in a kernel and reports at a later synchronization; here the element is read
+/// back at once, so the error comes from the call that asserts.
+fn assert_async(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    let t = tensor(params, "self")?;
+    let n: i64 = t.view.sizes.iter().product();
+    if n != 1 {
+        let what = if n == 0 {
+            "no values"
+        } else {
+            "more than one value"
+        };
+        return Err(Error::runtime(format!(
+            "Boolean value of Tensor with {what} is ambiguous"
+        )));
+    }
+    if host_bytes(rt, t, &t.view.sizes, DType::Bool)?[0] != 0 {
+        return Ok(vec![]);
+    }
+    let msg = params
+        .iter()
+        .find_map(|p| match (&p.arg, p.name == "assert_msg") {
+            (RArg::Str(s), true) => Some(s.as_str()),
+            _ => None,
+        });
+    Err(Error::runtime(match msg {
+        None => "Expected Tensor with single nonzero value, but got zero",
+        Some("") => "Assertion is failed",
+        Some(m) => m,
+    }))
 }

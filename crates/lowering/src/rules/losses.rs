@@ -9,7 +9,7 @@
 use stablehlo::{CmpDir, ReduceKind};
 
 use super::nn_common::*;
-use super::{opmath, take_flat, take_rows};
+use super::{opmath, scatter_rows, take_flat, take_rows};
 use crate::promote::{promote_types, torch_name};
 use crate::shape::{numel, shape_str, wrap_dim};
 use crate::{
@@ -53,17 +53,6 @@ fn float_kernel(x: &TensorArg, kernel: &str) -> LResult<()> {
         DType::F32 | DType::F64 => Ok(()),
         d => not_implemented(kernel, d),
     }
-}
-
-/// Combines rows `upd[i]` into `base[idx[i]]`; rows with an index outside `base` are dropped.
-fn scatter_rows(b: &mut Builder, base: Value, idx: Value, upd: Value, kind: ReduceKind) -> Value {
-    let n = b.shape(idx)[0];
-    let idx = b.convert(idx, DType::I64);
-    let idx = b.reshape(idx, &[n, 1]);
-    let win: Vec<i64> = (1..b.rank(upd) as i64).collect();
-    b.scatter(base, idx, upd, &win, &[0], &[0], 1, |b, cur, new| {
-        b.combine(kind, cur, new)
-    })
 }
 
 /// The group of each of `n` positions, given the (sorted) start of every group but the

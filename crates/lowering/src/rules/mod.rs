@@ -9,6 +9,7 @@ use crate::args::Scalar;
 use crate::promote::{result_type, Operand};
 use crate::shape::broadcast_all;
 use crate::{Builder, Ctx, DType, LResult, Rule, TensorArg, Value};
+use stablehlo::ReduceKind;
 
 pub mod activations;
 pub mod amp;
@@ -17,6 +18,7 @@ pub mod complex;
 pub mod convolution;
 pub mod custom;
 pub mod decomp;
+pub mod detection;
 pub mod foreach;
 pub mod index;
 pub mod linalg;
@@ -59,6 +61,7 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         losses::RULES,
         amp::RULES,
         custom::RULES,
+        detection::RULES,
     ]
 }
 
@@ -396,6 +399,23 @@ pub fn take_rows(b: &mut Builder, table: Value, idx: Value) -> Value {
     sizes[0] = 1;
     let offs: Vec<i64> = (1..ts.len() as i64).collect();
     b.gather(table, idx, &offs, &[0], &[0], 1, &sizes)
+}
+
+/// Combines rows `upd[i]` into `base[idx[i]]`; rows with an index outside `base` are dropped.
+pub fn scatter_rows(
+    b: &mut Builder,
+    base: Value,
+    idx: Value,
+    upd: Value,
+    kind: ReduceKind,
+) -> Value {
+    let n = b.shape(idx)[0];
+    let idx = b.convert(idx, DType::I64);
+    let idx = b.reshape(idx, &[n, 1]);
+    let win: Vec<i64> = (1..b.rank(upd) as i64).collect();
+    b.scatter(base, idx, upd, &win, &[0], &[0], 1, |b, cur, new| {
+        b.combine(kind, cur, new)
+    })
 }
 
 /// Elements `flat[idx]` of `x` flattened, shaped like `idx`.
