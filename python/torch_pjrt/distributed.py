@@ -159,7 +159,10 @@ class TpuBackend(_C10dBackend):
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
         self._rank, self._size, self._timeout = rank, size, timeout
-        prefix = dist.PrefixStore("tpu_gloo/", store)
+        # torchrun's agent keeps its store across restarts: without the attempt in the
+        # keys a restarted rank would read the dead attempt's Gloo addresses and time out.
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        prefix = dist.PrefixStore(f"tpu_gloo/{attempt}/", store)
         self._gloo = dist.ProcessGroupGloo(prefix, rank, size, timeout)
         _use_local_device()
 
@@ -236,6 +239,8 @@ class TpuBackend(_C10dBackend):
     def _reduce(self, tensors, op, launch, write_back=True):
         """`launch(host_tensors, gloo_op)` on host copies; with `write_back` their results go
         back into `tensors`, scaled as `op` asks."""
+        if self._size == 1:
+            return self._alone_reduce(tensors, op)
         hosts = [_host(t) for t in tensors]
         gop, factor, mean = _split_op(op, tensors[0].dtype if tensors else None)
         if factor is not None:
@@ -250,6 +255,25 @@ class TpuBackend(_C10dBackend):
                 _back(t, h)
 
         return _Work(launch(hosts, gop), finish if write_back else None, list(tensors))
+
+    # World size 1 (one process, or a subgroup of one rank): each collective's result is
+    # the rank's own data, computed on the device; no host round trip, no Gloo.
+
+    @staticmethod
+    def _alone_reduce(tensors, op):
+        _, factor, _ = _split_op(op, tensors[0].dtype if tensors else None)
+        if factor is not None:
+            with torch.no_grad():
+                for t in tensors:
+                    if t.is_floating_point():
+                        t.mul_(factor)
+        return _Work(None, None, list(tensors))
+
+    @staticmethod
+    def _alone_copies(outputs, inputs, result):
+        for o, i in zip(outputs, inputs, strict=True):
+            _assign(o, i.reshape(o.shape))
+        return _Work(None, None, result)
 
     @staticmethod
     def _copy_back(outputs, hosts):
@@ -290,6 +314,8 @@ class TpuBackend(_C10dBackend):
 
     def broadcast(self, tensors, opts):
         self._check("broadcast", tensors)
+        if self._size == 1:
+            return _Work(None, None, list(tensors))
         hosts = [_host(t) for t in tensors]
         work = self._gloo.broadcast(
             hosts, _opts(_c10d.BroadcastOptions, rootRank=opts.rootRank, rootTensor=opts.rootTensor)
@@ -299,6 +325,9 @@ class TpuBackend(_C10dBackend):
 
     def allgather(self, output_tensors, input_tensors, opts):
         self._check("all_gather", input_tensors)
+        if self._size == 1:
+            return self._alone_copies([lst[0] for lst in output_tensors], input_tensors,
+                                      output_tensors)
         outs = [[_host(o) for o in lst] for lst in output_tensors]
         ins = [_host(t) for t in input_tensors]
         work = self._gloo.allgather(outs, ins, _c10d.AllgatherOptions())
@@ -308,6 +337,8 @@ class TpuBackend(_C10dBackend):
 
     def all_gather_single(self, output, input, opts):
         self._check("all_gather_into_tensor", [input])
+        if self._size == 1:
+            return self._alone_copies([output], [input], [output])
         out, inp = _host(output), _host(input)
         work = self._gloo._allgather_base(out, inp, _c10d.AllgatherOptions())
         return _Work(work, self._copy_back([output], [out]), [output])
@@ -346,6 +377,8 @@ class TpuBackend(_C10dBackend):
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
         self._check("all_to_all_single", [input], sizes=not input_split_sizes)
+        if self._size == 1:
+            return self._alone_copies([output], [input], [output])
         out, inp = _host(output), _host(input)
         work = self._gloo.alltoall_base(
             out, inp, list(output_split_sizes), list(input_split_sizes), _c10d.AllToAllOptions()
@@ -354,6 +387,8 @@ class TpuBackend(_C10dBackend):
 
     def alltoall(self, output_tensors, input_tensors, opts):
         self._check("all_to_all", input_tensors, sizes=False)
+        if self._size == 1:
+            return self._alone_copies(output_tensors, input_tensors, list(output_tensors))
         outs = [_host(o) for o in output_tensors]
         ins = [_host(i) for i in input_tensors]
         work = self._gloo.alltoall(outs, ins, _c10d.AllToAllOptions())
@@ -361,6 +396,9 @@ class TpuBackend(_C10dBackend):
 
     def gather(self, output_tensors, input_tensors, opts):
         self._check("gather", input_tensors)
+        if self._size == 1:
+            return self._alone_copies([lst[0] for lst in output_tensors], input_tensors,
+                                      output_tensors)
         outs = [[_host(o) for o in lst] for lst in output_tensors]
         ins = [_host(t) for t in input_tensors]
         work = self._gloo.gather(outs, ins, _opts(_c10d.GatherOptions, rootRank=opts.rootRank))
@@ -370,6 +408,9 @@ class TpuBackend(_C10dBackend):
 
     def scatter(self, output_tensors, input_tensors, opts):
         self._check("scatter", output_tensors)
+        if self._size == 1:
+            return self._alone_copies(output_tensors, [lst[0] for lst in input_tensors],
+                                      list(output_tensors))
         outs = [_host(o) for o in output_tensors]
         ins = [[_host(t) for t in lst] for lst in input_tensors]
         work = self._gloo.scatter(outs, ins, _opts(_c10d.ScatterOptions, rootRank=opts.rootRank))
@@ -386,6 +427,8 @@ class TpuBackend(_C10dBackend):
 
     def barrier(self, opts):
         torch.tpu.synchronize()
+        if self._size == 1:
+            return _Work(None, None, [])
         return _Work(self._gloo.barrier(_c10d.BarrierOptions()), None, [])
 
 
