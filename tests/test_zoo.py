@@ -68,7 +68,7 @@ def test_training_sample(mode):
 
 
 GENERATE_SAMPLE = ["hf-causal:llama", "hf-causal:gpt2", "hf-causal:mixtral", "hf-s2s:t5",
-                   "hf-s2s:bart"]
+                   "hf-s2s:bart", "hf-speech:whisper"]
 
 
 @pytest.mark.slow

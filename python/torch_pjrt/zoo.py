@@ -122,7 +122,8 @@ def _hf_model(kind, model_type, variant=0):
     from transformers.models.auto import modeling_auto as auto
 
     mapping = {"hf": auto.MODEL_MAPPING_NAMES, "hf-causal": auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-               "hf-s2s": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES}[kind]
+               "hf-s2s": auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+               "hf-speech": auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES}[kind]
     import transformers
 
     cls = getattr(transformers, mapping[model_type])
@@ -146,7 +147,10 @@ def _pixels(vis, g):
     """Two random images of a vision config's size and channels."""
     import torch
 
-    size = getattr(vis, "image_size", 32)
+    # 64 pixels where the config names no size: at 32 a ResNet's last stage is 1x1, and its
+    # BatchNorm in training normalizes two values per channel (ill-conditioned: the CPU
+    # itself is 1e7 tolerances from float64 there).
+    size = getattr(vis, "image_size", 64)
     size = tuple(size) if isinstance(size, (list, tuple)) else (size, size)
     return torch.randn(2, getattr(vis, "num_channels", 3), *size[-2:], generator=g)
 
@@ -238,7 +242,7 @@ def build(name, variant=0):
     elif kind == "tv":
         m, kw = _tv_model(model)
     else:
-        raise ValueError(f"zoo: unknown model kind in {name!r} (hf, hf-causal, hf-s2s, timm, tv)")
+        raise ValueError(f"zoo: unknown model kind in {name!r} (hf, hf-causal, hf-s2s, hf-speech, timm, tv)")
     _perturb_constant_parameters(m)
     return m.eval(), kw
 
@@ -264,6 +268,7 @@ def all_models(suites=("hf", "timm", "tv")):
         names += [f"hf:{t}" for t in sorted(auto.MODEL_MAPPING_NAMES)]
         names += [f"hf-causal:{t}" for t in sorted(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)]
         names += [f"hf-s2s:{t}" for t in sorted(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)]
+        names += [f"hf-speech:{t}" for t in sorted(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)]
     if "timm" in suites:
         names += [f"timm:{m}" for m in _timm_per_family()]
     if "tv" in suites:
@@ -447,10 +452,12 @@ def _train(model, kw, compiled, steps=3):
 
 
 def _generate(model, kw, compiled, sample=False, static=False):
-    """Tokens of `model.generate` (8 new ones) from a 6-token prompt, greedy or sampled."""
+    """Tokens of `model.generate` (8 new ones) from a 6-token prompt (speech models: the
+    first clip's features), greedy or sampled."""
     import torch
 
-    ids = kw["input_ids"][:1, :6]
+    main = model.main_input_name
+    inputs = {"input_ids": kw["input_ids"][:1, :6]} if main == "input_ids" else {main: kw[main][:1]}
     gen = {"max_new_tokens": 8, "do_sample": sample, "pad_token_id": 0}
     cfg = model.config
     start = getattr(getattr(model, "generation_config", None), "decoder_start_token_id", None)
@@ -464,7 +471,7 @@ def _generate(model, kw, compiled, sample=False, static=False):
     if compiled:
         model.forward = torch.compile(model.forward, backend="tpu")
     with torch.no_grad():
-        return [model.generate(input_ids=ids, **gen).cpu()]
+        return [model.generate(**inputs, **gen).cpu()]
 
 
 TASKS = {
