@@ -106,12 +106,17 @@ fn i64_bytes(v: &[i64]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
 
-/// An integer tensor's elements, read back as i64.
-fn host_ints(rt: &Runtime, t: &TensorRef) -> Result<Vec<i64>> {
-    Ok(host_bytes(rt, t, &t.view.sizes, DType::I64)?
+/// i64 elements from their bytes.
+fn ints_of(bytes: &[u8]) -> Vec<i64> {
+    bytes
         .chunks(8)
         .map(|b| i64::from_le_bytes(b.try_into().expect("8 bytes")))
-        .collect())
+        .collect()
+}
+
+/// An integer tensor's elements, read back as i64.
+fn host_ints(rt: &Runtime, t: &TensorRef) -> Result<Vec<i64>> {
+    Ok(ints_of(&host_bytes(rt, t, &t.view.sizes, DType::I64)?))
 }
 
 /// An optional int argument.
@@ -632,31 +637,42 @@ fn expand(t: &TensorRef, shape: &[i64]) -> TensorRef {
     e
 }
 
-/// `torch.equal`: the lowering `torch_pjrt::equal` gives a 0-d bool on the device.
-fn equal(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
-    let rets = match dispatch(rt, "torch_pjrt::equal", "", params)? {
+/// Runs the rule `op` on the device and reads its one result back as `dtype`, contiguous.
+fn device_result(rt: &Runtime, op: &str, params: &[Param], dtype: DType) -> Result<Vec<u8>> {
+    let rets = match dispatch(rt, op, "", params)? {
         Outcome::Done(r) => r,
-        Outcome::Declined(w) => return Err(Error::runtime(format!("equal: {w}"))),
-        Outcome::Resize(_) => return Err(Error::runtime("equal: unexpected resize")),
+        Outcome::Declined(w) => return Err(Error::runtime(format!("{op}: {w}"))),
+        Outcome::Resize(_) => return Err(Error::runtime(format!("{op}: unexpected resize"))),
     };
-    let Some(Ret::Tensor { handle, device, .. }) = rets.into_iter().next() else {
-        return Err(Error::runtime("equal: the comparison returned no tensor"));
+    let Some(Ret::Tensor {
+        handle,
+        sizes,
+        device,
+        dtype: got,
+    }) = rets.into_iter().next()
+    else {
+        return Err(Error::runtime(format!("{op} returned no tensor")));
     };
     // SAFETY: dispatch returns a fresh handle whose reference we now own.
     let storage = unsafe { Storage::from_handle(handle) };
     let t = TensorRef {
         loc: Loc::Device(Arc::as_ptr(&storage)),
-        dtype: Some(DType::Bool),
+        dtype: Some(got),
         view: View {
-            sizes: vec![],
-            strides: vec![],
+            strides: contiguous_strides(&sizes),
+            sizes: sizes.clone(),
             offset: 0,
         },
-        nbytes: 1,
+        nbytes: sizes.iter().product::<i64>() * got.size() as i64,
         wrapped: false,
         device,
     };
-    let b = host_bytes(rt, &t, &[], DType::Bool)?;
+    host_bytes(rt, &t, &sizes, dtype)
+}
+
+/// `torch.equal`: the lowering `torch_pjrt::equal` gives a 0-d bool on the device.
+fn equal(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
+    let b = device_result(rt, "torch_pjrt::equal", params, DType::Bool)?;
     Ok(vec![Ret::Bool(b.first().is_some_and(|v| *v != 0))])
 }
 
@@ -672,30 +688,8 @@ fn nms_native(params: &[Param]) -> bool {
 /// the kept indices (their count is the data's) are read back and uploaded, in order.
 fn nms(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
     let device = tensor(params, "dets")?.device;
-    let rets = match dispatch(rt, "torch_pjrt::nms_keep", "", params)? {
-        Outcome::Done(r) => r,
-        Outcome::Declined(w) => return Err(Error::runtime(format!("nms: {w}"))),
-        Outcome::Resize(_) => return Err(Error::runtime("nms: unexpected resize")),
-    };
-    let Some(Ret::Tensor { handle, sizes, .. }) = rets.into_iter().next() else {
-        return Err(Error::runtime("nms: the suppression returned no tensor"));
-    };
-    // SAFETY: dispatch returns a fresh handle whose reference we now own.
-    let storage = unsafe { Storage::from_handle(handle) };
-    let n = sizes.first().copied().unwrap_or(0);
-    let t = TensorRef {
-        loc: Loc::Device(Arc::as_ptr(&storage)),
-        dtype: Some(DType::I64),
-        view: View {
-            sizes: vec![n],
-            strides: vec![1],
-            offset: 0,
-        },
-        nbytes: n * 8,
-        wrapped: false,
-        device,
-    };
-    let kept: Vec<i64> = host_ints(rt, &t)?.into_iter().filter(|i| *i >= 0).collect();
+    let ranked = device_result(rt, "torch_pjrt::nms_keep", params, DType::I64)?;
+    let kept: Vec<i64> = ints_of(&ranked).into_iter().filter(|i| *i >= 0).collect();
     let count = kept.len() as i64;
     Ok(vec![new_tensor(
         rt,
