@@ -652,7 +652,14 @@ def test_mpmd_ranks_diverge_between_collectives():
     diverged = _run(_mpmd, 2, True)
     assert len(diverged[0]["evals"]) == 3 and not diverged[1]["evals"]
     for r in range(2):
-        assert diverged[r]["losses"] == same[r]["losses"]
+        if torch.tpu.eager_mode == torch.tpu.EagerMode.DEFER_AND_FUSE:
+            # Rank 0's reads cut its deferred graphs elsewhere: the optimizer step is fused
+            # with other ops, and XLA's code for another graph may round differently (1e-7
+            # seen once in CI). Per-op programs (Strict, Debug) give the very same bits.
+            assert_close(torch.tensor(diverged[r]["losses"]), torch.tensor(same[r]["losses"]),
+                         rtol=1e-6, atol=0)
+        else:
+            assert diverged[r]["losses"] == same[r]["losses"]
 
 
 # --- faults ----------------------------------------------------------------------------------
