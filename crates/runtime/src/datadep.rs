@@ -676,12 +676,11 @@ fn equal(rt: &Runtime, params: &[Param]) -> Result<Vec<Ret>> {
     Ok(vec![Ret::Bool(b.first().is_some_and(|v| *v != 0))])
 }
 
-/// Boxes and scores of one dtype torchvision's CPU kernel takes; others go to that kernel
-/// (and its error).
+/// The dtypes the `nms` rule takes (the lowering decides); others go to torchvision's CPU
+/// kernel and its error.
 fn nms_native(params: &[Param]) -> bool {
     let dt = |n| tensor(params, n).ok().and_then(|t| t.dtype);
-    let d = dt("dets");
-    matches!(d, Some(DType::F32 | DType::F64)) && d == dt("scores")
+    matches!((dt("dets"), dt("scores")), (Some(d), Some(s)) if lowering::rules::detection::nms_takes(d, s))
 }
 
 /// `torchvision::nms`: the rule `torch_pjrt::nms_keep` ranks and suppresses on the device;

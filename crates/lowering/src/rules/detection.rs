@@ -16,6 +16,12 @@ fn kernel_dtype(d: DType) -> bool {
     matches!(d, DType::F32 | DType::F64 | DType::F16)
 }
 
+/// Whether `nms` runs here: boxes and scores of one dtype its CPU kernel takes (float32,
+/// float64). The runtime asks this before it takes the op from the fallback.
+pub fn nms_takes(dets: DType, scores: DType) -> bool {
+    matches!(dets, DType::F32 | DType::F64) && scores == dets
+}
+
 /// Column `i` of `r` [K, n] as [K].
 fn column(b: &mut Builder, r: Value, i: i64) -> Value {
     let k = b.shape(r)[0];
@@ -173,6 +179,7 @@ fn corners(b: &mut Builder, r: &Rois, h: i64, w: i64) -> Vec<(Value, Value)> {
     out
 }
 
+/// The checks of torchvision's kernels on `x` (input, or the backward's grad: rank 4) and `rois`.
 fn check_rois(rois: &crate::TensorArg, x: &crate::TensorArg) -> LResult<()> {
     if !kernel_dtype(x.dtype) || rois.dtype != x.dtype || x.shape.len() != 4 {
         return decline("roi_align: dtype or rank torchvision's CPU kernel checks");
@@ -233,9 +240,7 @@ fn roi_align(c: &mut Ctx) -> LResult<Vec<Out>> {
 fn roi_align_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let g = c.args.tensor("grad")?.clone();
     let rois = c.args.tensor("rois")?.clone();
-    if !kernel_dtype(g.dtype) || rois.dtype != g.dtype || g.shape.len() != 4 {
-        return decline("_roi_align_backward: dtype or rank torchvision's CPU kernel checks");
-    }
+    check_rois(&rois, &g)?;
     fixed_grid(c)?;
     let (ph, pw) = (c.args.int("pooled_height")?, c.args.int("pooled_width")?);
     let n = c.args.int("batch_size")?;
@@ -305,8 +310,7 @@ fn nms_keep(c: &mut Ctx) -> LResult<Vec<Out>> {
             ),
         );
     }
-    // torchvision's CPU nms takes float32 and float64 (roi_align float16 too).
-    if !matches!(d.dtype, DType::F32 | DType::F64) || s.dtype != d.dtype {
+    if !nms_takes(d.dtype, s.dtype) {
         return decline("nms: dtypes torchvision's CPU kernel checks");
     }
     let n = d.shape[0];
