@@ -510,6 +510,32 @@ def test_unlowered_op_in_graph(mode):
     assert fb.get(name, 0) >= 3, fb
 
 
+def test_op_reading_an_input_on_the_host_is_not_replayed(mode):
+    """An op whose kernel reads a graph input's values on the host (the grouped matmul of
+    mixture-of-experts layers slices by its offsets) steers the capture by that data: the
+    graph must not be replayed with the first call's slicing. Both the forward graph (offsets
+    are an input) and the backward graph (they are saved for it) read them; each call with
+    other offsets gives the CPU's results and gradients."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(10, 8, generator=g), torch.randn(3, 8, 4, generator=g)
+
+    def f(a, b, offs):
+        return torch._grouped_mm(a, b, offs=offs).square().sum()
+
+    cf = torch.compile(f, backend="tpu")
+    for offs in ([2, 7, 10], [6, 6, 10], [1, 3, 10]):
+        offs = torch.tensor(offs, dtype=torch.int32)
+        ac, bc = a.clone().requires_grad_(), b.clone().requires_grad_()
+        at, bt = a.to("tpu").requires_grad_(), b.to("tpu").requires_grad_()
+        want = f(ac, bc, offs)
+        want.backward()
+        got = cf(at, bt, offs.to("tpu"))
+        got.backward()
+        assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert_close(at.grad, ac.grad, atol=1e-5, rtol=1e-5)
+        assert_close(bt.grad, bc.grad, atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # Dynamic shapes
 # ---------------------------------------------------------------------------

@@ -138,6 +138,10 @@ pub fn copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
         }
         (Loc::Device(_), Loc::Device(_)) => device_copy(rt, src, dst),
         (Loc::Device(_), Loc::Host(dp)) => {
+            // A value read mid-capture can steer Python (sizes, slices of a grouped matmul's
+            // offsets): even from an input's buffer, which needs no flush, a replay would
+            // reuse the first call's choices.
+            rt.defer.note_host_read(src.device);
             let bytes = rt.download(&*dense(rt, src, ddt, &dst.view.sizes)?)?;
             // SAFETY: the destination CPU tensor is alive and its view lies in its storage.
             unsafe { host::write(dp, &dst.view, ddt.size(), &bytes) };

@@ -195,6 +195,16 @@ impl Deferred {
         }
     }
 
+    /// A device value was read on the host: a graph being captured there cannot be replayed.
+    pub fn note_host_read(&self, device: usize) {
+        if let Some(g) = self.graphs.get(device) {
+            let mut g = lock(g);
+            if g.capturing {
+                g.broken = true;
+            }
+        }
+    }
+
     pub fn pending_ops(&self, device: usize) -> usize {
         self.graphs.get(device).map(|g| lock(g).ops).unwrap_or(0)
     }
