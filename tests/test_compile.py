@@ -510,12 +510,39 @@ def test_unlowered_op_in_graph(mode):
     assert fb.get(name, 0) >= 3, fb
 
 
+@torch.library.custom_op("torch_pjrt_test::zero_from", mutates_args=())
+def _zero_from(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """x with its elements from index n[0] on zeroed: the kernel reads n on the host."""
+    out = x.clone()
+    out[int(n[0]):] = 0
+    return out
+
+
+@_zero_from.register_fake
+def _(x, n):
+    return torch.empty_like(x)
+
+
 def test_op_reading_an_input_on_the_host_is_not_replayed(mode):
-    """An op whose kernel reads a graph input's values on the host (the grouped matmul of
-    mixture-of-experts layers slices by its offsets) steers the capture by that data: the
-    graph must not be replayed with the first call's slicing. Both the forward graph (offsets
-    are an input) and the backward graph (they are saved for it) read them; each call with
-    other offsets gives the CPU's results and gradients."""
+    """A kernel that reads a graph input's values on the host steers the capture by that
+    data (as the composite grouped matmul did with its offsets): a replay would reuse the
+    first call's choice. Such a graph runs op by op; each call gives the CPU's result."""
+    x = torch.arange(1.0, 9.0)
+
+    def f(x, n):
+        return _zero_from(x * 2, n) + 1
+
+    cf = torch.compile(f, backend="tpu")
+    for n in (3, 6, 1):
+        n = torch.tensor([n])
+        assert_close(cf(x.to("tpu"), n.to("tpu")), f(x, n))
+    assert compile_counters().get("compiled_graphs", 0) == 0, compile_counters()
+
+
+def test_grouped_matmul_graph_is_one_program(mode):
+    """Mixture-of-experts layers' grouped matmul (rows grouped by data-dependent offsets):
+    forward and backward graphs compile once and replay with other offsets, giving the
+    CPU's results and gradients."""
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(10, 8, generator=g), torch.randn(3, 8, 4, generator=g)
 
@@ -534,6 +561,8 @@ def test_op_reading_an_input_on_the_host_is_not_replayed(mode):
         assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert_close(at.grad, ac.grad, atol=1e-5, rtol=1e-5)
         assert_close(bt.grad, bc.grad, atol=1e-5, rtol=1e-5)
+    c = compile_counters()
+    assert c.get("graph_breaks", 0) == 0 and c["compiled_graphs"] == 2, c
 
 
 # ---------------------------------------------------------------------------

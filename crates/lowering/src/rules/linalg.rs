@@ -459,6 +459,172 @@ fn matrix_exp(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.convert(out[1], dt))])
 }
 
+/// Largest `[groups, rows, cols]` product `_grouped_mm` builds (f32 elements, 64 MiB): it
+/// computes every group's product and keeps each row's own, `groups` times the work of the
+/// exact product; beyond this the composite kernel (one matmul per group) is cheaper.
+const GROUPED_MM_MAX_ELEMS: i64 = 1 << 24;
+
+/// `[G, len]` booleans: index `i` of a `len`-long dimension belongs to group `g` when
+/// `offs[g-1] <= i < offs[g]` (`offs[-1]` = 0), the ranges the CPU kernel slices. Where
+/// ranges overlap (offsets not ascending) the later group wins, as its write does there.
+fn grouped_members(b: &mut Builder, offs: Value, len: i64) -> Value {
+    let g = b.shape(offs)[0];
+    let offs = b.convert(offs, DType::I64);
+    let zero = b.constant(DType::I64, 0.0);
+    let zero = b.reshape(zero, &[1]);
+    let prev = b.slice_dim(offs, 0, 0, g - 1, 1);
+    let starts = b.concatenate(&[zero, prev], 0);
+    let i = b.iota(DType::I64, &[g, len], 1);
+    let st = b.broadcast_in_dim(starts, &[g, len], &[0]);
+    let en = b.broadcast_in_dim(offs, &[g, len], &[0]);
+    let ge = b.compare(i, st, stablehlo::CmpDir::Ge);
+    let lt = b.compare(i, en, stablehlo::CmpDir::Lt);
+    let member = b.and(ge, lt);
+    let gi = b.iota(DType::I64, &[g, len], 0);
+    let none = b.constant(DType::I64, -1.0);
+    let none = b.broadcast_in_dim(none, &[g, len], &[]);
+    let owner = b.select(member, gi, none);
+    let last = b.reduce(owner, &[0], stablehlo::ReduceKind::Max);
+    let last = b.broadcast_in_dim(last, &[g, len], &[1]);
+    b.compare(gi, last, stablehlo::CmpDir::Eq)
+}
+
+/// Keeps each column's own group of `[G, .., L]` products (`members`: `[G, L]`, on dims
+/// `(0, last)`) and sums the groups away: one kept value plus zeros, exact.
+fn keep_own_group(b: &mut Builder, prod: Value, members: Value) -> Value {
+    let shape = b.shape(prod);
+    let last = shape.len() as i64 - 1;
+    let m = b.broadcast_in_dim(members, &shape, &[0, last]);
+    let zero = b.constant(b.dtype(prod), 0.0);
+    let zero = b.broadcast_in_dim(zero, &shape, &[]);
+    let kept = b.select(m, prod, zero);
+    b.reduce(kept, &[0], stablehlo::ReduceKind::Sum)
+}
+
+/// `torch._grouped_mm` (mixture-of-experts layers): 2d x 3d (rows grouped by `offs`),
+/// 3d x 2d (columns), 2d x 2d (the contraction: one product per group) and 3d x 3d (bmm).
+/// Every group's product is computed and masked: no host read of the offsets.
+fn grouped_mm(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = c.args.tensor("self")?.clone();
+    let m2 = c.args.tensor("mat2")?.clone();
+    let offs = c.args.opt_tensor("offs").cloned();
+    for (name, t) in [("mat_a", &a), ("mat_b", &m2)] {
+        if !matches!(t.dtype, DType::BF16 | DType::F32 | DType::F16) {
+            return user_err(
+                ErrorKind::Runtime,
+                format!(
+                    "Expected {name} to be Float32, BFloat16 or Float16 matrix, got {}",
+                    crate::promote::torch_name(t.dtype)
+                ),
+            );
+        }
+    }
+    if a.dtype != m2.dtype {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Expected mat_a and mat_b to have the same dtype, got {} and {}",
+                crate::promote::torch_name(a.dtype),
+                crate::promote::torch_name(m2.dtype)
+            ),
+        );
+    }
+    let (ra, rb) = (a.shape.len(), m2.shape.len());
+    if !(2..=3).contains(&ra) {
+        return user_err(ErrorKind::Runtime, "mat_a has to be 2 or 3d");
+    }
+    if !(2..=3).contains(&rb) {
+        return user_err(ErrorKind::Runtime, "mat_b has to be 2 or 3d");
+    }
+    if (ra == 3 || rb == 3) && a.shape[ra - 1] != m2.shape[rb - 2] {
+        return user_err(
+            ErrorKind::Runtime,
+            "contraction dimension of mat_a and mat_b must match",
+        );
+    }
+    if offs.is_some() != (ra == 2 || rb == 2) {
+        return user_err(
+            ErrorKind::Runtime,
+            "Have to provide offsets if there is a 2d matrix, or no offset if both matrices are 3d",
+        );
+    }
+    if let Some(o) = &offs {
+        if o.shape.len() != 1 {
+            return user_err(ErrorKind::Runtime, "offs has to be 1D");
+        }
+        if o.dtype != DType::I32 {
+            return user_err(ErrorKind::Runtime, "Offsets have to be int32");
+        }
+    }
+    if c.args.opt_tensor("bias").is_some() {
+        return user_err(ErrorKind::Runtime, "Bias not supported yet");
+    }
+    if c.args.opt_dtype("out_dtype").is_some_and(|d| d != a.dtype) {
+        return user_err(
+            ErrorKind::Runtime,
+            "Grouped gemm output dtype must match `mat_a` dtype",
+        );
+    }
+    let groups = offs.as_ref().map_or(a.shape[0], |o| o.shape[0]);
+    let batch_ok = match (ra, rb) {
+        (2, 3) => m2.shape[0] == groups,
+        (3, 2) => a.shape[0] == groups,
+        (3, 3) => a.shape[0] == m2.shape[0],
+        _ => true,
+    };
+    if !batch_ok {
+        let msg = if ra == 3 && rb == 3 {
+            "batched dimension has to match"
+        } else {
+            "matrix batch sizes have to match"
+        };
+        return user_err(ErrorKind::Runtime, msg);
+    }
+    let out_elems = match (ra, rb) {
+        (2, 3) => groups * a.shape[0] * m2.shape[2],
+        (3, 2) => groups * a.shape[1] * m2.shape[1],
+        (2, 2) => groups * a.shape[0] * a.shape[1].max(m2.shape[1]),
+        _ => 0,
+    };
+    if out_elems > GROUPED_MM_MAX_ELEMS {
+        return decline("grouped matmul too large for the masked product");
+    }
+    let dt = a.dtype;
+    let b = &mut *c.b;
+    let x = b.convert(a.value, opmath(dt));
+    let y = b.convert(m2.value, opmath(dt));
+    let r = match (ra, rb) {
+        (3, 3) => bmm_values(b, x, y),
+        (2, 3) => {
+            // [M,K] x [G,K,N] -> [M,G,N] -> [G,N,M]: each row keeps its group's product.
+            let p = b.dot_general(x, y, (&[], &[]), (&[1], &[1]), opmath(dt));
+            let p = b.transpose(p, &[1, 2, 0]);
+            let own = grouped_members(b, offs.as_ref().unwrap().value, a.shape[0]);
+            let r = keep_own_group(b, p, own);
+            b.transpose(r, &[1, 0])
+        }
+        (3, 2) => {
+            // [G,M,K] x [K,N] -> [G,M,N]: each column keeps its group's product.
+            let p = b.dot_general(x, y, (&[], &[]), (&[2], &[0]), opmath(dt));
+            let own = grouped_members(b, offs.as_ref().unwrap().value, m2.shape[1]);
+            keep_own_group(b, p, own)
+        }
+        _ => {
+            // [M,K] x [K,N] -> [G,M,N]: group g contracts over its own range of K only.
+            let (m, k) = (a.shape[0], a.shape[1]);
+            let own = grouped_members(b, offs.as_ref().unwrap().value, k);
+            let shape = [groups, m, k];
+            let keep = b.broadcast_in_dim(own, &shape, &[0, 2]);
+            let xg = b.broadcast_in_dim(x, &shape, &[1, 2]);
+            let zero = b.constant(opmath(dt), 0.0);
+            let zero = b.broadcast_in_dim(zero, &shape, &[]);
+            let xg = b.select(keep, xg, zero);
+            b.dot_general(xg, y, (&[], &[]), (&[2], &[0]), opmath(dt))
+        }
+    };
+    Ok(vec![Out::T(b.convert(r, dt))])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::mm", |c| mm(c, ("self", "mat2"))),
     ("aten::addmm", |c| mm(c, ("mat1", "mat2"))),
@@ -471,4 +637,5 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::addr", addr),
     ("aten::addbmm", addbmm),
     ("aten::linalg_matrix_exp", matrix_exp),
+    ("aten::_grouped_mm", grouped_mm),
 ];
