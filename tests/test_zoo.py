@@ -142,3 +142,37 @@ def test_compare_reports_the_largest_difference():
     res = zoo.compare([torch.tensor([3e7 + 2.0, 1.5])], big, 1e-4)
     assert res["ok"] and not res["elementwise"]
     assert not zoo.compare([torch.tensor([3e7, 2e4])], big, 1e-4)["ok"]
+
+
+def test_resume_skips_the_models_an_interrupted_run_recorded(tmp_path, monkeypatch, capsys):
+    import json
+
+    ran = []
+
+    def fake_run(names, mode, dtype, chunk, timeout, task, on_record):
+        recs = []
+        for n in names:
+            ran.append(n)
+            rec = {"model": n, "mode": mode, "dtype": dtype, "task": task, "status": "pass"}
+            on_record(rec)
+            recs.append(rec)
+            if n == "hf:b" and len(ran) == 2:
+                raise KeyboardInterrupt  # the first run stops after its second model
+        return recs
+
+    monkeypatch.setattr(zoo, "run", fake_run)
+    out = tmp_path / "z.json"
+    with pytest.raises(KeyboardInterrupt):
+        zoo.main(["--models", "hf:a", "hf:b", "hf:c", "--json", str(out)])
+    # Another task's records in the file are not this run's.
+    with open(str(out) + ".jsonl", "a") as f:
+        f.write(json.dumps({"model": "hf:c", "mode": "strict", "dtype": "float32",
+                            "task": "train", "status": "pass"}) + "\n")
+    zoo.main(["--models", "hf:a", "hf:b", "hf:c", "--json", str(out), "--resume"])
+    assert ran == ["hf:a", "hf:b", "hf:c"]
+    data = json.loads(out.read_text())
+    assert [r["model"] for r in data["records"]] == ["hf:a", "hf:b", "hf:c"]
+    assert data["summary"]["models"] == 3
+    with pytest.raises(SystemExit):
+        zoo.main(["--models", "hf:a", "--resume"])
+    assert "--resume needs --json" in capsys.readouterr().err

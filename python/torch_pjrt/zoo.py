@@ -599,8 +599,9 @@ def _worker(args):
 # Running many, in workers
 
 def run(names, mode="strict", dtype="float32", chunk=20, timeout=600, progress=True,
-        task="forward"):
-    """Runs ``names`` in worker processes; returns one record per model."""
+        task="forward", on_record=lambda rec: None):
+    """Runs ``names`` in worker processes; returns one record per model, each also passed to
+    ``on_record`` as soon as it is known."""
     env = dict(os.environ, **MODES[mode])
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -637,6 +638,7 @@ def run(names, mode="strict", dtype="float32", chunk=20, timeout=600, progress=T
                     on_tpu = rec["phase"] == "tpu"
                 else:
                     records[rec["model"]] = rec
+                    on_record(rec)
                     current = None
                     if progress:
                         _print_progress(rec, len(records), len(names))
@@ -646,10 +648,11 @@ def run(names, mode="strict", dtype="float32", chunk=20, timeout=600, progress=T
             if current is not None and time.time() - started > timeout:
                 proc.kill()
                 proc.wait()
-                records[current] = {"model": current, "mode": mode, "dtype": dtype,
+                records[current] = {"model": current, "mode": mode, "dtype": dtype, "task": task,
                                     "status": "timeout" if on_tpu else "cpu_error",
                                     "error": f"no result in {timeout} s"
                                              f"{'' if on_tpu else ' on the CPU'}"}
+                on_record(records[current])
                 if progress:
                     _print_progress(records[current], len(records), len(names))
                 break
@@ -660,11 +663,12 @@ def run(names, mode="strict", dtype="float32", chunk=20, timeout=600, progress=T
         if left and proc.returncode not in (None, 0) and left[0] == current:
             msg = "".join(err_tail).strip().splitlines()
             # A worker killed while the CPU ran the model (out of memory) is the CPU's failure.
-            records[current] = {"model": current, "mode": mode, "dtype": dtype,
+            records[current] = {"model": current, "mode": mode, "dtype": dtype, "task": task,
                                 "status": "crash" if on_tpu else "cpu_error",
                                 "error": f"worker exit {proc.returncode}"
                                          f"{'' if on_tpu else ' on the CPU'}: "
                                          f"{msg[-1][:300] if msg else ''}"}
+            on_record(records[current])
             if progress:
                 _print_progress(records[current], len(records), len(names))
             left = left[1:]
@@ -735,7 +739,11 @@ def main(argv=None):
                         "-static: static KV cache; -sampled: top-k sampling, seeded)")
     p.add_argument("--chunk", type=int, default=20, help="models per worker process")
     p.add_argument("--timeout", type=float, default=600, help="seconds per model")
-    p.add_argument("--json", help="write the records and summary here")
+    p.add_argument("--json", help="write the records and summary here (and each record to "
+                                   "FILE.jsonl as it comes)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --json: skip the models FILE.jsonl already has for this mode, "
+                        "dtype and task (a whole-zoo run interrupted), and count them")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--results", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -749,8 +757,29 @@ def main(argv=None):
     else:
         names = all_models(tuple(args.suite.split(",")))
     names = [n for n in names if args.filter in n]
+    if args.resume and not args.json:
+        p.error("--resume needs --json")
+    done, log = {}, None
+    if args.json:
+        partial = args.json + ".jsonl"
+        if args.resume and os.path.exists(partial):
+            for line in open(partial).read().splitlines():
+                rec = json.loads(line)
+                if (rec.get("mode"), rec.get("dtype"), rec.get("task", "forward")) == (
+                        args.mode, args.dtype, args.task):
+                    done[rec["model"]] = rec
+        log = open(partial, "a" if args.resume else "w")
+
+    def on_record(rec):
+        if log is not None:
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+
     t0 = time.time()
-    records = run(names, args.mode, args.dtype, args.chunk, args.timeout, task=args.task)
+    fresh = run([n for n in names if n not in done], args.mode, args.dtype, args.chunk,
+                args.timeout, task=args.task, on_record=on_record)
+    by_name = {**done, **{r["model"]: r for r in fresh}}
+    records = [by_name[n] for n in names if n in by_name]
     s = summary(records)
     s.update(mode=args.mode, dtype=args.dtype, task=args.task, seconds=round(time.time() - t0, 1),
              cpu=platform.processor() or platform.machine(), cores=os.cpu_count())
