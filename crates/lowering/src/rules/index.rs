@@ -1836,6 +1836,10 @@ fn diagonal_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(place_diag(b, base, offset, d1, d2, len, v))])
 }
 
+/// The ops of this family whose programs may serve a range of sizes (see
+/// `super::serves_sizes`).
+pub const SERVES_SIZES: &[&str] = &["aten::masked_fill", "aten::index_select", "aten::embedding"];
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::index_select", index_select),
     ("aten::gather", gather),

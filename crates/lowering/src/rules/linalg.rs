@@ -625,6 +625,10 @@ fn grouped_mm(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.convert(r, dt))])
 }
 
+/// The ops of this family whose programs may serve a range of sizes (see
+/// `super::serves_sizes`).
+pub const SERVES_SIZES: &[&str] = &["aten::mm", "aten::bmm", "aten::addmm"];
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::mm", |c| mm(c, ("self", "mat2"))),
     ("aten::addmm", |c| mm(c, ("mat1", "mat2"))),

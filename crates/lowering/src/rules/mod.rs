@@ -149,81 +149,28 @@ pub fn outs_exclude_each_other(op: &str) -> Option<&'static str> {
     }
 }
 
+fn sized_families() -> [&'static [&'static str]; 7] {
+    [
+        pointwise::SERVES_SIZES,
+        special::SERVES_SIZES,
+        index::SERVES_SIZES,
+        linalg::SERVES_SIZES,
+        reduce::SERVES_SIZES,
+        sorting::SERVES_SIZES,
+        views::SERVES_SIZES,
+    ]
+}
+
 /// Ops whose programs may serve a range of sizes (the runtime's `buckets`): their rules
 /// stay exact when XLA pads a dimension (no size used as a number, no op the dynamic
 /// padder cannot follow), checked against the CPU at several sizes of one bucket in
-/// tests/test_dynamic.py. Others (mean and var divide by a size, sort, cumsum, roll, fills
-/// of a fresh tensor, ...) compile per shape.
+/// tests/test_dynamic.py. Each family lists its own (`SERVES_SIZES`, next to its rules);
+/// others (mean and var divide by a size, sort, cumsum, roll, fills of a fresh tensor, ...)
+/// compile per shape. In-place and out= forms follow the op.
 pub fn serves_sizes(op: &str) -> bool {
-    let base = op
-        .trim_start_matches("aten::")
-        .trim_start_matches("torch_pjrt::")
-        .trim_end_matches('_');
-    matches!(
-        base,
-        "add"
-            | "sub"
-            | "rsub"
-            | "mul"
-            | "div"
-            | "neg"
-            | "abs"
-            | "pow"
-            | "rsqrt"
-            | "sqrt"
-            | "exp"
-            | "log"
-            | "tanh"
-            | "sigmoid"
-            | "silu"
-            | "gelu"
-            | "relu"
-            | "cos"
-            | "sin"
-            | "where"
-            | "isneginf"
-            | "isinf"
-            | "isnan"
-            | "eq"
-            | "ne"
-            | "lt"
-            | "le"
-            | "gt"
-            | "ge"
-            | "logical_not"
-            | "logical_and"
-            | "logical_or"
-            | "bitwise_not"
-            | "masked_fill"
-            | "clamp"
-            | "minimum"
-            | "maximum"
-            | "copy"
-            | "_to_copy"
-            | "mm"
-            | "bmm"
-            | "addmm"
-            | "_softmax"
-            | "_log_softmax"
-            | "sum"
-            | "amax"
-            | "amin"
-            | "argmax"
-            | "argmin"
-            | "max"
-            | "min"
-            | "prod"
-            | "all"
-            | "any"
-            | "logsumexp"
-            | "linalg_vector_norm"
-            | "cat"
-            | "index_select"
-            | "embedding"
-            | "tril"
-            | "triu"
-            | "flip"
-    )
+    static SET: OnceLock<std::collections::HashSet<&'static str>> = OnceLock::new();
+    SET.get_or_init(|| sized_families().concat().into_iter().collect())
+        .contains(op.trim_end_matches('_'))
 }
 
 /// Ops that take non-scalar CPU tensors next to tpu ones: copies between the devices and
@@ -433,4 +380,20 @@ pub fn take_flat(b: &mut Builder, x: Value, idx: Value) -> Value {
 /// A scalar constant of `like`'s dtype and shape.
 pub fn splat(b: &mut Builder, like: Value, v: f64) -> Value {
     b.splat(like, v)
+}
+
+#[cfg(test)]
+mod serves_sizes_tests {
+    use super::*;
+
+    #[test]
+    fn every_op_that_serves_sizes_has_a_rule() {
+        for fam in sized_families() {
+            for op in fam {
+                assert!(lookup(op).is_some(), "{op} serves sizes but has no rule");
+                assert!(serves_sizes(op) && serves_sizes(&format!("{op}_")));
+            }
+        }
+        assert!(!serves_sizes("aten::mean") && !serves_sizes("aten::sort"));
+    }
 }

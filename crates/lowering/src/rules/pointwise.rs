@@ -582,6 +582,46 @@ fn equal(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(all)])
 }
 
+/// The ops of this family whose programs may serve a range of sizes (see
+/// `super::serves_sizes`).
+pub const SERVES_SIZES: &[&str] = &[
+    "aten::add",
+    "aten::sub",
+    "aten::rsub",
+    "aten::mul",
+    "aten::div",
+    "aten::neg",
+    "aten::abs",
+    "aten::pow",
+    "aten::rsqrt",
+    "aten::sqrt",
+    "aten::exp",
+    "aten::log",
+    "aten::tanh",
+    "aten::sigmoid",
+    "aten::silu",
+    "aten::gelu",
+    "aten::relu",
+    "aten::cos",
+    "aten::sin",
+    "aten::where",
+    "aten::isinf",
+    "aten::isnan",
+    "aten::eq",
+    "aten::ne",
+    "aten::lt",
+    "aten::le",
+    "aten::gt",
+    "aten::ge",
+    "aten::logical_not",
+    "aten::logical_and",
+    "aten::logical_or",
+    "aten::bitwise_not",
+    "aten::clamp",
+    "aten::minimum",
+    "aten::maximum",
+];
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::add", add),
     ("aten::sub", sub),

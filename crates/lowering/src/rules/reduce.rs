@@ -431,6 +431,24 @@ fn softmax_backward(c: &mut Ctx, log: bool) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.convert(r, in_dt))])
 }
 
+/// The ops of this family whose programs may serve a range of sizes (see
+/// `super::serves_sizes`).
+pub const SERVES_SIZES: &[&str] = &[
+    "aten::_softmax",
+    "aten::_log_softmax",
+    "aten::sum",
+    "aten::amax",
+    "aten::amin",
+    "aten::argmax",
+    "aten::argmin",
+    "aten::max",
+    "aten::min",
+    "aten::prod",
+    "aten::all",
+    "aten::any",
+    "aten::logsumexp",
+];
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::sum", |c| sum_like(c, ReduceKind::Sum)),
     ("aten::prod", |c| sum_like(c, ReduceKind::Prod)),

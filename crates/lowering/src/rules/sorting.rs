@@ -2129,6 +2129,10 @@ fn nansum(c: &mut Ctx) -> LResult<Vec<Out>> {
     ))])
 }
 
+/// The ops of this family whose programs may serve a range of sizes (see
+/// `super::serves_sizes`).
+pub const SERVES_SIZES: &[&str] = &["aten::linalg_vector_norm", "aten::tril", "aten::triu"];
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::sort", sort),
     ("aten::topk", topk),

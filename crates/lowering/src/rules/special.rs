@@ -2029,6 +2029,10 @@ fn igamma(b: &mut Builder, a: Value, x: Value, upper: bool) -> Value {
     select_k(b, bad, f64::NAN, r)
 }
 
+/// The ops of this family whose programs may serve a range of sizes (see
+/// `super::serves_sizes`).
+pub const SERVES_SIZES: &[&str] = &["aten::isneginf"];
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::igamma", |c| {
         map_only(c, &["self", "other"], "igamma_cpu", is_float, |b, v| {

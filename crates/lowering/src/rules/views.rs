@@ -561,6 +561,10 @@ fn channel_shuffle(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.reshape(x, &t.shape))])
 }
 
+/// The ops of this family whose programs may serve a range of sizes (see
+/// `super::serves_sizes`).
+pub const SERVES_SIZES: &[&str] = &["aten::cat", "aten::flip", "torch_pjrt::copy"];
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::cat", cat),
     ("aten::flip", flip),
