@@ -539,6 +539,42 @@ def test_op_reading_an_input_on_the_host_is_not_replayed(mode):
     assert compile_counters().get("compiled_graphs", 0) == 0, compile_counters()
 
 
+def test_view_planned_on_cpu_strides(mode):
+    """AOTAutograd places views where the CPU's (meta kernels') strides allow them: a
+    LAPACK-style result is column-major there, so the view of its transpose must run
+    (Qwen3-Next's linear attention trained compiled failed at such a view)."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(2, 4, 3, generator=g)
+
+    def f(a):
+        return torch.geqrf(a * 2)[0].mT.reshape(2, 12).sin()
+
+    cf = torch.compile(f, backend="tpu")
+    for _ in range(2):
+        assert_close(cf(a.to("tpu")), f(a), atol=1e-5, rtol=1e-5)
+
+
+def test_graph_views_become_reshapes_unless_written_through():
+    """The capture's graphs replace aten.view by aten.reshape (same values, a copy where a
+    tpu kernel's layout differs from the meta kernel's), but not a view an op writes to."""
+    from torch_pjrt.compile import _views_as_reshapes
+
+    def f(x, y):
+        v = torch.ops.aten.view.default(x.transpose(0, 1), [12])
+        w = torch.ops.aten.view.default(y, [12])
+        torch.ops.aten.add_.Tensor(w, 1.0)
+        return v * 2
+
+    gm = torch.fx.symbolic_trace(f)
+    gm = _views_as_reshapes(gm)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.aten.reshape.default) == 1, targets
+    assert targets.count(torch.ops.aten.view.default) == 1, targets
+    x, y = torch.arange(12.0).reshape(3, 4), torch.zeros(3, 4)
+    assert_close(gm(x, y), x.t().reshape(12) * 2)
+    assert bool((y == 1).all())
+
+
 def test_grouped_matmul_graph_is_one_program(mode):
     """Mixture-of-experts layers' grouped matmul (rows grouped by data-dependent offsets):
     forward and backward graphs compile once and replay with other offsets, giving the

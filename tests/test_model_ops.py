@@ -202,3 +202,20 @@ def test_grouped_mm_errors_match_the_cpu(sa, sb, offs, kw, want):
         args = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
         with pytest.raises(RuntimeError, match=want):
             torch._grouped_mm(a.to(dev), b.to(dev), **args)
+
+
+def test_lapack_style_results_are_column_major_as_on_the_cpu(eager_mode, seed):
+    # PyTorch lays these results out column-major; torch.compile plans views on that.
+    a = torch.randn(2, 5, 5).triu() + 5 * torch.eye(5)
+    b = torch.randn(2, 5, 3)
+    calls = {
+        "solve_triangular": lambda a, b: torch.linalg.solve_triangular(a, b, upper=True),
+        "lstsq": lambda a, b: torch.linalg.lstsq(a, b).solution,
+        "geqrf": lambda a, b: torch.geqrf(a)[0],
+        "householder_product": lambda a, b: torch.linalg.householder_product(a, b[..., 0]),
+    }
+    for name, fn in calls.items():
+        want = fn(a, b)
+        got = fn(a.to("tpu"), b.to("tpu"))
+        assert got.stride() == want.stride(), (name, got.stride(), want.stride())
+        assert_close(got, want, atol=1e-4, rtol=1e-4)

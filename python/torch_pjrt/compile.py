@@ -103,6 +103,28 @@ def _drop_graph(gid):
     counters["released_programs"] += len(_C.graph_release(gid, True))
 
 
+def _views_as_reshapes(gm):
+    """AOTAutograd placed ``view`` where the meta kernels' strides allow one; some tpu
+    kernels lay results out otherwise (contiguous where TensorIterator keeps an input's
+    permutation), so such a view would raise here. In a functionalized graph a reshape
+    computes the same values (a view whenever the strides allow); views that an op writes
+    through (an optimizer step's kept input mutations) stay views."""
+
+    def written(n):
+        return any(getattr(getattr(u.target, "_schema", None), "is_mutable", False)
+                   for u in n.users)
+
+    changed = False
+    for n in gm.graph.nodes:
+        if (n.op == "call_function" and n.target is torch.ops.aten.view.default
+                and not written(n)):
+            n.target = torch.ops.aten.reshape.default
+            changed = True
+    if changed:
+        gm.recompile()
+    return gm
+
+
 class _Graph:
     """One AOTAutograd graph (forward or backward).
 
@@ -116,7 +138,7 @@ class _Graph:
         # AOTAutograd passes the arguments as one list. An instance attribute, so that
         # functools.wraps (Dynamo's disable() around the backward) copies it.
         self._boxed_call = True
-        self.gm = gm
+        self.gm = _views_as_reshapes(gm)
         self.dump = dump
         # No autograd (AOTAutograd's inference graph): one that writes its inputs is an
         # optimizer step, and ends a training step for DeferAndFuse.

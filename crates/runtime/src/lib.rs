@@ -544,3 +544,8 @@ pub fn lowered_ops() -> Vec<&'static str> {
 pub fn claimed_ops() -> Vec<&'static str> {
     lowering::rules::claimed()
 }
+
+/// Whether result `k` of `op` is laid out column-major by PyTorch (the shim copies it so).
+pub fn column_major_result(op: &str, k: usize) -> bool {
+    lowering::rules::column_major_result(op, k)
+}

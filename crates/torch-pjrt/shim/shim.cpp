@@ -988,6 +988,12 @@ void push_results(const c10::FunctionSchema& schema, torch::jit::Stack* stack, s
   std::vector<c10::IValue> owned(static_cast<size_t>(nrets));
   for (int32_t k = 0; k < nrets; ++k)
     if (rets[k].kind == TPU_RET_TENSOR) owned[k] = wrap_handle(rets[k]);
+  // Results PyTorch lays out column-major (Rust says which): copied to that layout.
+  for (int32_t k = 0; k < nrets; ++k)
+    if (rets[k].kind == TPU_RET_TENSOR && rets[k].i == 1) {
+      const at::Tensor& t = owned[k].toTensor();
+      owned[k] = t.mT().contiguous().mT();
+    }
 
   const c10::IValue* args = stack->data() + base;
   auto single = [&](int32_t k, bool tensor_typed) -> c10::IValue {
@@ -1066,6 +1072,18 @@ void apply_resizes(const TpuError& err, torch::jit::Stack* stack, size_t base, s
         resize_tensor(t, sizes);
       else
         t.resize_(sizes);
+      if (err.resize_column_major[r] == 1) {
+        // Batched column-major, as PyTorch's LAPACK-backed kernels lay out their outs.
+        std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
+        strides[ndim - 2] = 1;
+        strides[ndim - 1] = sizes[ndim - 2];
+        int64_t step = sizes[ndim - 2] * sizes[ndim - 1];
+        for (int32_t d = ndim - 3; d >= 0; --d) {
+          strides[d] = step;
+          step *= sizes[d];
+        }
+        t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
+      }
     }
   }
 }

@@ -67,7 +67,8 @@ typedef struct TpuArg {
 } TpuArg;
 
 enum TpuRetKind {
-  TPU_RET_TENSOR = 0,     // new tensor: handle/dtype/device/ndim/sizes (contiguous)
+  TPU_RET_TENSOR = 0,     // new tensor: handle/dtype/device/ndim/sizes (contiguous);
+                          // i == 1: PyTorch's layout is column-major, the shim copies
   TPU_RET_ALIAS = 1,      // push back argument `alias_arg` (mutable return / out)
   TPU_RET_INT = 2,
   TPU_RET_DOUBLE = 3,
@@ -114,6 +115,7 @@ typedef struct TpuError {
   int32_t resize_arg[8];
   int32_t resize_ndim[8];
   int64_t resize_sizes[8][TPU_MAX_DIMS];
+  int32_t resize_column_major[8];  // 1: lay it out column-major (PyTorch's LAPACK outputs)
 } TpuError;
 
 #define TPU_MAX_RETS 512

@@ -61,6 +61,7 @@ pub struct TpuError {
     pub resize_arg: [i32; 8],
     pub resize_ndim: [i32; 8],
     pub resize_sizes: [[i64; MAX_DIMS]; 8],
+    pub resize_column_major: [i32; 8],
 }
 
 // Arg kinds.

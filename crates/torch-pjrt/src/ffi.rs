@@ -118,6 +118,9 @@ pub unsafe extern "C" fn tpu_rs_dispatch(
                 e.n_resize = list.len().min(8) as i32;
                 for (k, (idx, sizes)) in list.iter().take(8).enumerate() {
                     e.resize_arg[k] = *idx as i32;
+                    let out_pos = params[..*idx].iter().filter(|p| p.is_out).count();
+                    e.resize_column_major[k] =
+                        (sizes.len() >= 2 && runtime::column_major_result(&op, out_pos)) as i32;
                     e.resize_ndim[k] = sizes.len().min(MAX_DIMS) as i32;
                     for (d, s) in sizes.iter().take(MAX_DIMS).enumerate() {
                         e.resize_sizes[k][d] = *s;
@@ -133,7 +136,7 @@ pub unsafe extern "C" fn tpu_rs_dispatch(
                 let out = unsafe { std::slice::from_raw_parts_mut(rets, max_rets as usize) };
                 let mut owned: Vec<*mut Storage> = Vec::new();
                 let mut res = Ok(());
-                for (slot, r) in out.iter_mut().zip(list.iter()) {
+                for (k, (slot, r)) in out.iter_mut().zip(list.iter()).enumerate() {
                     *slot = TpuRet::zeroed();
                     match r {
                         Ret::Tensor {
@@ -145,6 +148,9 @@ pub unsafe extern "C" fn tpu_rs_dispatch(
                             owned.push(*handle);
                             if res.is_ok() {
                                 res = fill_tensor_ret(slot, *handle, *dtype, sizes, *device);
+                                if sizes.len() >= 2 && runtime::column_major_result(&op, k) {
+                                    slot.i = 1;
+                                }
                             }
                         }
                         Ret::Alias(i) => {

@@ -173,6 +173,21 @@ pub fn serves_sizes(op: &str) -> bool {
         .contains(op.trim_end_matches('_'))
 }
 
+/// Results PyTorch lays out column-major in their last two dims (LAPACK's layout), by
+/// output position: under torch.compile, AOTAutograd plans views on the meta kernels'
+/// strides, so a row-major result would make a later `view` fail.
+pub fn column_major_result(op: &str, k: usize) -> bool {
+    k == 0
+        && matches!(
+            op,
+            "aten::linalg_solve_triangular"
+                | "aten::geqrf"
+                | "aten::ormqr"
+                | "aten::linalg_householder_product"
+                | "aten::linalg_lstsq"
+        )
+}
+
 /// Ops that take non-scalar CPU tensors next to tpu ones: copies between the devices and
 /// `torch.equal` (our own ops, dispatched by the runtime) and the indices of advanced
 /// indexing, as on CUDA. Other ops, custom kernels' `torch_pjrt::jax_call` included, accept
