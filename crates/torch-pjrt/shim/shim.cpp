@@ -1075,12 +1075,14 @@ void apply_resizes(const TpuError& err, torch::jit::Stack* stack, size_t base, s
       if (err.resize_column_major[r] == 1) {
         // Batched column-major, as PyTorch's LAPACK-backed kernels lay out their outs.
         std::vector<int64_t> strides(t.strides().begin(), t.strides().end());
+        // (Empty dims count as 1, as in PyTorch's contiguous strides: no overlap.)
+        auto at_least_1 = [](int64_t n) { return std::max<int64_t>(n, 1); };
         strides[ndim - 2] = 1;
-        strides[ndim - 1] = sizes[ndim - 2];
-        int64_t step = sizes[ndim - 2] * sizes[ndim - 1];
+        strides[ndim - 1] = at_least_1(sizes[ndim - 2]);
+        int64_t step = strides[ndim - 1] * at_least_1(sizes[ndim - 1]);
         for (int32_t d = ndim - 3; d >= 0; --d) {
           strides[d] = step;
-          step *= sizes[d];
+          step *= at_least_1(sizes[d]);
         }
         t.unsafeGetTensorImpl()->set_sizes_and_strides(sizes, strides);
       }
