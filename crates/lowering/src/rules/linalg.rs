@@ -495,8 +495,7 @@ fn keep_own_group(b: &mut Builder, prod: Value, members: Value) -> Value {
     let shape = b.shape(prod);
     let last = shape.len() as i64 - 1;
     let m = b.broadcast_in_dim(members, &shape, &[0, last]);
-    let zero = b.constant(b.dtype(prod), 0.0);
-    let zero = b.broadcast_in_dim(zero, &shape, &[]);
+    let zero = b.splat(prod, 0.0);
     let kept = b.select(m, prod, zero);
     b.reduce(kept, &[0], stablehlo::ReduceKind::Sum)
 }
@@ -616,8 +615,7 @@ fn grouped_mm(c: &mut Ctx) -> LResult<Vec<Out>> {
             let shape = [groups, m, k];
             let keep = b.broadcast_in_dim(own, &shape, &[0, 2]);
             let xg = b.broadcast_in_dim(x, &shape, &[1, 2]);
-            let zero = b.constant(opmath(dt), 0.0);
-            let zero = b.broadcast_in_dim(zero, &shape, &[]);
+            let zero = b.splat(xg, 0.0);
             let xg = b.select(keep, xg, zero);
             b.dot_general(xg, y, (&[], &[]), (&[2], &[0]), opmath(dt))
         }
