@@ -221,6 +221,35 @@ def _collectives(rank, world, store, d):
     dist.destroy_process_group()
 
 
+def test_exit_waits_for_completion_callbacks_still_on_a_gloo_thread():
+    """A collective's completion runs on Gloo's thread, which takes the GIL to run and to
+    release it; the process must not finalize under it (Python ends such a thread mid-C++:
+    "terminate called without an active exception")."""
+    import threading
+    import time
+
+    from torch_pjrt import distributed as tpu_dist
+
+    ran = []
+
+    def slow(f):
+        time.sleep(0.3)
+        ran.append(f.value())
+
+    fut = torch.futures.Future()
+    tpu_dist._then(fut, slow)
+    del slow  # only the future holds it, as with a collective's callback
+    t = threading.Thread(target=fut.set_result, args=(7,))
+    t.start()
+    while not fut.done():
+        time.sleep(0.001)
+    tpu_dist._drain()
+    assert ran == [7]
+    t.join()
+    assert not tpu_dist._running
+
+
+
 @pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_collectives_match_gloo_on_cpu(world):
     # World size 1 takes the backend's shortcut (results computed on the device, no Gloo).

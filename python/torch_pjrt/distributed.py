@@ -15,8 +15,11 @@ tpu tensors, so ``async_op=True`` overlaps communication with the caller (DDP's 
 buckets), and ``Work.wait()``/``get_future()`` complete when the results are in place.
 """
 
+import atexit
 import os
 import threading
+import time
+import weakref
 
 import torch
 import torch._C._distributed_c10d as _c10d
@@ -48,10 +51,11 @@ class _Work(dist.Work):
             self._future.set_result(done(_READY))
             return
         try:
-            self._future = gloo_work.get_future().then(done)
+            self._future = _then(gloo_work.get_future(), done)
         except RuntimeError:
             # Gloo's point-to-point works have no future: a thread waits for this one.
             self._future = torch.futures.Future()
+            _track(gloo_work.is_completed, done)
             threading.Thread(
                 target=_complete, args=(gloo_work, done, self._future), daemon=True
             ).start()
@@ -84,6 +88,36 @@ class _Work(dist.Work):
 
     def result(self):
         return self._result
+
+
+# Completion callbacks run on Gloo's threads, which take the GIL to run them and to release
+# them. A thread that takes it while the interpreter finalizes is ended mid-C++ and aborts the
+# process ("terminate called without an active exception"): at exit, wait for the callbacks
+# whose work completed until their threads are done with them.
+_running = {}
+
+
+def _track(completed, fn):
+    """Tracks `fn`, a callback a Gloo-side thread runs once `completed()`, until released."""
+    key = weakref.ref(fn, lambda r: _running.pop(r, None))
+    _running[key] = completed
+
+
+def _then(fut, fn):
+    _track(fut.done, fn)
+    return fut.then(fn)
+
+
+@atexit.register
+def _drain(timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if not any(completed() for completed in list(_running.values())):
+                return
+        except RuntimeError:
+            return
+        time.sleep(0.005)
 
 
 def _complete(gloo_work, done, future):
@@ -449,7 +483,7 @@ class _Then(_Work):
             fn()
             return self._result
 
-        self._future = work.get_future().then(done)
+        self._future = _then(work.get_future(), done)
 
 
 class _All(_Work):
@@ -465,7 +499,7 @@ class _All(_Work):
                 x.value()
             return result
 
-        self._future = futs.then(done)
+        self._future = _then(futs, done)
 
 
 def _use_local_device():

@@ -430,6 +430,17 @@ impl Runtime {
         p.retain(|(_, b)| !matches!(b.is_ready_nonblocking(), Ok(true)) || b.ready().is_err());
     }
 
+    /// At exit: waits for the jobs the workers hold and the executions PJRT still runs, so
+    /// no thread is inside the plugin while the process tears it down. Pending deferred
+    /// graphs are dropped with the process; failures are not raised (nothing can read them).
+    pub fn quiesce(&self) {
+        self.worker.drain();
+        let bufs = std::mem::take(&mut *self.pending.lock().unwrap_or_else(|e| e.into_inner()));
+        for (_, b) in bufs {
+            let _ = b.ready();
+        }
+    }
+
     /// Runs pending graphs and waits for every op issued so far; raises the first
     /// asynchronous failure, naming its op.
     pub fn synchronize(&self) -> Result<()> {

@@ -374,10 +374,17 @@ fn wait_background(py: Python<'_>) {
     py.allow_threads(runtime::tiers::wait_idle);
 }
 
-/// At exit: drops queued background compilations, waits for the one in flight.
+/// At exit: drops queued background compilations, waits for the one in flight and for the
+/// work the device still runs (a thread inside the plugin while the process tears it down
+/// aborts it).
 #[pyfunction]
 fn shutdown_background(py: Python<'_>) {
-    py.allow_threads(runtime::tiers::shutdown);
+    py.allow_threads(|| {
+        runtime::tiers::shutdown();
+        if let Ok(rt) = runtime::get() {
+            rt.quiesce();
+        }
+    });
 }
 
 #[pyfunction]
