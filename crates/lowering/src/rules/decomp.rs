@@ -2187,6 +2187,15 @@ fn polar(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(u), Out::T(matmul(b, vs, vt))])
 }
 
+/// The ops of this family whose first result PyTorch lays out column-major (see
+/// `super::column_major_result`).
+pub const COLUMN_MAJOR_RESULTS: &[&str] = &[
+    "aten::geqrf",
+    "aten::ormqr",
+    "aten::linalg_householder_product",
+    "aten::linalg_lstsq",
+];
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::linalg_lu_factor_ex", lu_factor_ex),
     ("aten::linalg_lu", linalg_lu),

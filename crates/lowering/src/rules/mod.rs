@@ -175,17 +175,13 @@ pub fn serves_sizes(op: &str) -> bool {
 
 /// Results PyTorch lays out column-major in their last two dims (LAPACK's layout), by
 /// output position: under torch.compile, AOTAutograd plans views on the meta kernels'
-/// strides, so a row-major result would make a later `view` fail.
+/// strides, so a row-major result would make a later `view` fail. Each family lists its
+/// own (`COLUMN_MAJOR_RESULTS`); only the first result is.
 pub fn column_major_result(op: &str, k: usize) -> bool {
     k == 0
-        && matches!(
-            op,
-            "aten::linalg_solve_triangular"
-                | "aten::geqrf"
-                | "aten::ormqr"
-                | "aten::linalg_householder_product"
-                | "aten::linalg_lstsq"
-        )
+        && [sorting::COLUMN_MAJOR_RESULTS, decomp::COLUMN_MAJOR_RESULTS]
+            .iter()
+            .any(|family| family.contains(&op))
 }
 
 /// Ops that take non-scalar CPU tensors next to tpu ones: copies between the devices and
@@ -410,5 +406,22 @@ mod serves_sizes_tests {
             }
         }
         assert!(!serves_sizes("aten::mean") && !serves_sizes("aten::sort"));
+    }
+
+    #[test]
+    fn every_column_major_result_has_its_family_rule() {
+        for (fam, rules) in [
+            (sorting::COLUMN_MAJOR_RESULTS, sorting::RULES),
+            (decomp::COLUMN_MAJOR_RESULTS, decomp::RULES),
+        ] {
+            for op in fam {
+                assert!(
+                    rules.iter().any(|(n, _)| n == op),
+                    "{op} has no rule in its family"
+                );
+                assert!(column_major_result(op, 0) && !column_major_result(op, 1));
+            }
+        }
+        assert!(!column_major_result("aten::mm", 0));
     }
 }

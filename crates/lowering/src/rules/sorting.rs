@@ -2133,6 +2133,10 @@ fn nansum(c: &mut Ctx) -> LResult<Vec<Out>> {
 /// `super::serves_sizes`).
 pub const SERVES_SIZES: &[&str] = &["aten::linalg_vector_norm", "aten::tril", "aten::triu"];
 
+/// The ops of this family whose first result PyTorch lays out column-major (see
+/// `super::column_major_result`).
+pub const COLUMN_MAJOR_RESULTS: &[&str] = &["aten::linalg_solve_triangular"];
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::sort", sort),
     ("aten::topk", topk),
