@@ -263,16 +263,37 @@ impl Buckets {
             staged: HashMap::new(),
             sig,
         };
-        for (i, (path, t)) in ts.iter().enumerate() {
-            if s.staged[i] && !persistent[i] {
-                let dims = t
-                    .view
+        let moving = |i: usize| s.staged[i] && !persistent[i];
+        // Duck sizing, as Dynamo's symbolic shapes: a size that is dynamic in one tensor is
+        // padded wherever it appears in the call (a contraction's other operand, a broadcast
+        // partner, a parameter), so the padded shapes still agree. Without it a call whose
+        // weight never changes but matches a growing dim made the rule fail (1x512 by
+        // 344x128) and turned the signature off.
+        let sizes: std::collections::HashSet<i64> = ts
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| moving(*i))
+            .flat_map(|(i, (_, t))| {
+                t.view
                     .sizes
                     .iter()
                     .zip(&s.dynamic[i])
-                    // A size of 1 broadcasts: never padded (its own program).
-                    .map(|(n, d)| (*d && *n != 1).then(|| bucket(*n)))
-                    .collect();
+                    .filter(|(n, d)| **d && **n != 1)
+                    .map(|(n, _)| *n)
+            })
+            .collect();
+        for (i, (path, t)) in ts.iter().enumerate() {
+            let dims: Vec<Option<i64>> = t
+                .view
+                .sizes
+                .iter()
+                .zip(&s.dynamic[i])
+                // A size of 1 broadcasts: never padded (its own program).
+                .map(|(n, d)| {
+                    (*n != 1 && (*d && moving(i) || sizes.contains(n))).then(|| bucket(*n))
+                })
+                .collect();
+            if dims.iter().any(Option::is_some) {
                 staging.staged.insert(*path, dims);
             }
         }

@@ -1336,6 +1336,7 @@ pub(crate) fn plan_with(
     staging: Option<&crate::buckets::Staging>,
 ) -> Result<Plan> {
     let mut b = Builder::new();
+    b.set_split_reductions(staging.is_some());
     let mut src = ProgramInputs {
         inputs: Vec::new(),
         rng_consumed: 0,

@@ -556,6 +556,11 @@ pub fn claimed_ops() -> Vec<&'static str> {
     lowering::rules::claimed()
 }
 
+/// Whether `op`'s programs may serve a range of sizes (see `rules::serves_sizes`).
+pub fn serves_sizes(op: &str) -> bool {
+    lowering::rules::serves_sizes(op)
+}
+
 /// Whether result `k` of `op` is laid out column-major by PyTorch (the shim copies it so).
 pub fn column_major_result(op: &str, k: usize) -> bool {
     lowering::rules::column_major_result(op, k)

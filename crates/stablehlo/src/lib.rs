@@ -216,6 +216,9 @@ pub struct Builder {
     /// Functions made elsewhere that the body calls (imported kernels): (name, text),
     /// each name once; printed after `@main`.
     funcs: Vec<(String, Arc<str>)>,
+    /// Floating-point sums and products over several dims reduce one dim at a time (see
+    /// `reduce`): set for programs whose inputs are padded to a bucket.
+    split_reductions: bool,
 }
 
 impl Default for Builder {
@@ -246,7 +249,17 @@ impl Builder {
             bodies: vec![String::new()],
             aliases: Vec::new(),
             funcs: Vec::new(),
+            split_reductions: false,
         }
+    }
+
+    /// Programs of padded inputs (shape buckets) keep their logical dims, each at most a
+    /// bucket: XLA:CPU tree-reduces only a dim longer than 32 (an exact program's reduction
+    /// over a flattened input is), so a sum over several short dims would add every element
+    /// in one sequential loop (2e-6 relative off over 250 elements). One dim at a time keeps
+    /// the rounding of a sum over each dim.
+    pub fn set_split_reductions(&mut self, on: bool) {
+        self.split_reductions = on;
     }
 
     fn fresh(&mut self, ty: TensorType) -> Value {

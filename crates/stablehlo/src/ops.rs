@@ -519,6 +519,19 @@ impl Builder {
     /// Reduces `x` over `dims` with a builtin combiner.
     pub fn reduce(&mut self, x: Value, dims: &[i64], kind: ReduceKind) -> Value {
         let dtype = self.dtype(x);
+        if self.split_reductions
+            && dims.len() > 1
+            && matches!(kind, ReduceKind::Sum | ReduceKind::Prod)
+            && dtype.is_float()
+        {
+            let mut order = dims.to_vec();
+            order.sort_unstable();
+            // The last dim first: the lower ones keep their positions.
+            return order
+                .iter()
+                .rev()
+                .fold(x, |v, d| self.reduce(v, &[*d], kind));
+        }
         let init = self.constant(dtype, kind.init(dtype));
         self.reduce_with(&[x], &[init], dims, |b, args| {
             vec![b.combine(kind, args[0], args[1])]

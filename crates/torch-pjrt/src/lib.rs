@@ -480,6 +480,13 @@ fn claimed_ops() -> Vec<&'static str> {
     runtime::claimed_ops()
 }
 
+/// Whether `op`'s programs may serve a range of sizes (shape buckets): tests pick the
+/// OpInfos to run at other sizes of a bucket.
+#[pyfunction]
+fn serves_sizes(op: &str) -> bool {
+    runtime::serves_sizes(op)
+}
+
 fn lowering_names() -> Vec<&'static str> {
     runtime::lowered_ops()
 }
@@ -517,6 +524,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wait_background, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown_background, m)?)?;
     m.add_function(wrap_pyfunction!(lowered_ops, m)?)?;
+    m.add_function(wrap_pyfunction!(serves_sizes, m)?)?;
     m.add_function(wrap_pyfunction!(eager_mode, m)?)?;
     m.add_function(wrap_pyfunction!(cache_info, m)?)?;
     m.add_function(wrap_pyfunction!(clear_cache, m)?)?;
