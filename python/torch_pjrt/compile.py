@@ -186,7 +186,7 @@ class _Graph:
         if tensors is not None:
             pid, outs = torch.ops.torch_pjrt.replay.default(self.gid, tensors, values)
         if pid >= 0:
-            return _rebuild(self.specs[pid], outs)
+            return _rebuild(self.specs[pid], outs, tensors)
         if pid == _EAGER:
             counters["eager_graph_calls"] += 1
             return self.gm(*args)
@@ -241,8 +241,9 @@ class _Graph:
         device = torch.device("tpu", device)
         outs = [torch.empty(s, dtype=_FROM[d], device=device) for d, s in out_meta]
         _C.take_outputs(pid, [o.untyped_storage().data_ptr() for o in outs])
+        spec = (*spec, _input_views(tensors, flat))
         self._bind(pid, spec)
-        return _rebuild(spec, outs)
+        return _rebuild(spec, outs, tensors)
 
 
 def _flatten(res):
@@ -261,8 +262,30 @@ def _flatten(res):
     return [], (None, [("v", res)])
 
 
-def _rebuild(spec, outs):
-    kind, items = spec
+def _input_views(inputs, outputs):
+    """Outputs that are views of an input, as the capture's eager run made them: {output
+    index: (input index, sizes, strides, offset)}. AOTAutograd regenerates such an output
+    from the input with the strides of the tensor the graph returns (``as_strided``), so a
+    replay must return the view itself: the program's dense copy with the view's sizes
+    read the input in another order (a permute then reshape under dynamic shapes)."""
+    where = {}
+    for i, t in enumerate(inputs):
+        if t.untyped_storage().data_ptr():  # empty storages share the null pointer
+            where.setdefault((t.untyped_storage().data_ptr(), t.dtype), i)
+    views = {}
+    for k, t in enumerate(outputs):
+        i = where.get((t.untyped_storage().data_ptr(), t.dtype))
+        if i is not None:
+            views[k] = (i, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    return views
+
+
+def _rebuild(spec, outs, inputs):
+    kind, items, views = spec
+    if views:
+        outs = list(outs)
+        for k, (i, size, stride, offset) in views.items():
+            outs[k] = inputs[i].as_strided(size, stride, offset)
     vals = [outs[x] if k == "t" else x for k, x in items]
     if kind is None:
         return vals[0]
