@@ -381,3 +381,11 @@ def pytest_terminal_summary(terminalreporter):
     w.line("native: passed without any CPU fallback; pass rate: passed / (passed + xfailed "
            "+ failed)")
     w.line(f"recorded in {OPINFO_JSON} (python -m torch_pjrt.coverage)")
+
+
+@pytest.fixture
+def shape_buckets():
+    """Shape buckets on for one test (torch_pjrt.set_shape_buckets), the previous state after."""
+    was = torch_pjrt.set_shape_buckets(True)
+    yield
+    torch_pjrt.set_shape_buckets(was)

@@ -20,11 +20,8 @@ per_op = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(autouse=True)
-def buckets():
-    was = torch_pjrt.set_shape_buckets(True)
-    yield
-    torch_pjrt.set_shape_buckets(was)
+# Every test here runs with shape buckets on (conftest.py).
+pytestmark = pytest.mark.usefixtures("shape_buckets")
 
 
 def reset():

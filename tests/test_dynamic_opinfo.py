@@ -16,12 +16,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import torch_pjrt
 
-
-@pytest.fixture(autouse=True)
-def buckets():
-    was = torch_pjrt.set_shape_buckets(True)
-    yield
-    torch_pjrt.set_shape_buckets(was)
+# Every test here runs with shape buckets on (conftest.py).
+pytestmark = pytest.mark.usefixtures("shape_buckets")
 
 def _bucket(d):
     return max(16, 1 << (d - 1).bit_length())
