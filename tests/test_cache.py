@@ -286,7 +286,8 @@ def test_memory_cache_is_bounded(cache_dir):
     """Loaded executables are bounded (XLA:CPU fails past some 12 000 in a process):
     beyond TORCH_TPU_MAX_CACHED_PROGRAMS the least recently used are dropped, and coming
     back to them loads them from the disk cache instead of compiling."""
-    env = _env(cache_dir, TORCH_TPU_MAX_CACHED_PROGRAMS="16")
+    # One exact program per shape (shape buckets would serve the 40 sizes with a few).
+    env = _env(cache_dir, TORCH_TPU_MAX_CACHED_PROGRAMS="16", TORCH_TPU_SHAPE_BUCKETS="0")
     env.pop("TORCH_TPU_DEFER_AND_FUSE", None)  # per-op programs: Strict (the suite may run DF)
     p = subprocess.run([sys.executable, "-c", BOUNDED], capture_output=True, text=True,
                        env=env, timeout=300)

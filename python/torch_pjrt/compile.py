@@ -233,7 +233,7 @@ class _Graph:
             counters["graph_breaks"] += 1
             self._bind(None)
             return res
-        pid, out_meta = r
+        pid, out_meta, views = r
         counters["compiled_graphs"] += 1
         _hook_reset()
         if self.dump:
@@ -241,7 +241,8 @@ class _Graph:
         device = torch.device("tpu", device)
         outs = [torch.empty(s, dtype=_FROM[d], device=device) for d, s in out_meta]
         _C.take_outputs(pid, [o.untyped_storage().data_ptr() for o in outs])
-        spec = (*spec, _input_views(tensors, flat))
+        # Outputs that are views of an input are returned as those views (see capture_end).
+        spec = (*spec, views)
         self._bind(pid, spec)
         return _rebuild(spec, outs, tensors)
 
@@ -262,29 +263,11 @@ def _flatten(res):
     return [], (None, [("v", res)])
 
 
-def _input_views(inputs, outputs):
-    """Outputs that are views of an input, as the capture's eager run made them: {output
-    index: (input index, sizes, strides, offset)}. AOTAutograd regenerates such an output
-    from the input with the strides of the tensor the graph returns (``as_strided``), so a
-    replay must return the view itself: the program's dense copy with the view's sizes
-    read the input in another order (a permute then reshape under dynamic shapes)."""
-    where = {}
-    for i, t in enumerate(inputs):
-        if t.untyped_storage().data_ptr():  # empty storages share the null pointer
-            where.setdefault((t.untyped_storage().data_ptr(), t.dtype), i)
-    views = {}
-    for k, t in enumerate(outputs):
-        i = where.get((t.untyped_storage().data_ptr(), t.dtype))
-        if i is not None:
-            views[k] = (i, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-    return views
-
-
 def _rebuild(spec, outs, inputs):
     kind, items, views = spec
     if views:
         outs = list(outs)
-        for k, (i, size, stride, offset) in views.items():
+        for k, i, size, stride, offset in views:
             outs[k] = inputs[i].as_strided(size, stride, offset)
     vals = [outs[x] if k == "t" else x for k, x in items]
     if kind is None:
@@ -504,7 +487,7 @@ def export_stablehlo(fn, *example_inputs):
             "export_stablehlo: the function could not be captured as one program "
             "(an op fell back to the CPU or a value was read on the host); see torch_pjrt.metrics()"
         )
-    pid, out_meta = r
+    pid, out_meta, _ = r
     outs = [torch.empty(s, dtype=_FROM[d], device=f"tpu:{device}") for d, s in out_meta]
     _C.take_outputs(pid, [o.untyped_storage().data_ptr() for o in outs])
     if _last_export is not None:

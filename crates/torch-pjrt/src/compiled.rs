@@ -217,9 +217,31 @@ fn capture_abort(py: Python<'_>, device: usize) -> PyResult<()> {
     py.allow_threads(|| rt.capture_abort(device)).map_err(err)
 }
 
-/// Ends a capture; returns (id, [(dtype, sizes)] of the outputs) or None if it broke.
-/// `inference`: AOTAutograd's graph without autograd (an optimizer step when it writes
-/// its inputs).
+/// An output that is a view of an input: (output index, input index, sizes, strides, offset).
+type InputView = (usize, usize, Vec<i64>, Vec<i64>, i64);
+
+/// Outputs the capture's eager run made as views of an input (same storage and dtype).
+/// AOTAutograd regenerates such an output from the input with the strides of the tensor
+/// the graph returns (`as_strided`), so a replay must return the view itself: the
+/// program's dense copy read the input in another order (a permute then reshape under
+/// dynamic shapes).
+fn input_views(inputs: &[Meta], outputs: &[Meta]) -> Vec<InputView> {
+    let input_of = |m: &Meta| {
+        // Empty storages all have the null handle.
+        (m.0 != 0)
+            .then(|| inputs.iter().position(|i| i.0 == m.0 && i.1 == m.1))
+            .flatten()
+    };
+    outputs
+        .iter()
+        .enumerate()
+        .filter_map(|(k, m)| input_of(m).map(|i| (k, i, m.2.clone(), m.3.clone(), m.4)))
+        .collect()
+}
+
+/// Ends a capture; returns (id, [(dtype, sizes)] of the outputs, the outputs that are views
+/// of an input) or None if it broke. `inference`: AOTAutograd's graph without autograd (an
+/// optimizer step when it writes its inputs).
 #[pyfunction]
 #[pyo3(signature = (device, inputs, outputs, inference=false))]
 fn capture_end(
@@ -227,7 +249,7 @@ fn capture_end(
     inputs: Vec<Meta>,
     outputs: Vec<Meta>,
     inference: bool,
-) -> PyResult<Option<(usize, Vec<OutMeta>)>> {
+) -> PyResult<Option<(usize, Vec<OutMeta>, Vec<InputView>)>> {
     let rt = rt()?;
     // A replay returns its outputs through the shim's fixed-size descriptors.
     if outputs.iter().any(|m| m.2.len() > MAX_DIMS) {
@@ -254,7 +276,7 @@ fn capture_end(
         first: Mutex::new(Some(SendHandles(handles))),
     });
     programs().insert(id, e);
-    Ok(Some((id, meta)))
+    Ok(Some((id, meta, input_views(&inputs, &outputs))))
 }
 
 /// Frees compiled programs (executables, constants, untaken first results) once no
