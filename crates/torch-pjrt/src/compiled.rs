@@ -220,6 +220,9 @@ fn capture_abort(py: Python<'_>, device: usize) -> PyResult<()> {
 /// An output that is a view of an input: (output index, input index, sizes, strides, offset).
 type InputView = (usize, usize, Vec<i64>, Vec<i64>, i64);
 
+/// A finished capture: (program id, its outputs' metadata, the outputs that are input views).
+type Capture = (usize, Vec<OutMeta>, Vec<InputView>);
+
 /// Outputs the capture's eager run made as views of an input (same storage and dtype).
 /// AOTAutograd regenerates such an output from the input with the strides of the tensor
 /// the graph returns (`as_strided`), so a replay must return the view itself: the
@@ -249,7 +252,7 @@ fn capture_end(
     inputs: Vec<Meta>,
     outputs: Vec<Meta>,
     inference: bool,
-) -> PyResult<Option<(usize, Vec<OutMeta>, Vec<InputView>)>> {
+) -> PyResult<Option<Capture>> {
     let rt = rt()?;
     // A replay returns its outputs through the shim's fixed-size descriptors.
     if outputs.iter().any(|m| m.2.len() > MAX_DIMS) {
