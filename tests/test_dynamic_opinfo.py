@@ -30,17 +30,28 @@ def _moved(d, k):
     return d + k if d + k <= _bucket(d) else d - k
 
 
-def _resized(sample, k):
+# Arguments kept at their size: a size the op's backward receives as a number
+# (embedding's num_weights) makes each size its own signature, as any size argument does.
+FIXED_ARGS = {"nn.functional.embedding": {"input"}}  # the weight
+# Trailing dims kept in every tensor: layer norm's normalized_shape is an int argument (a
+# new one is a new signature); the dims before it are what changes in a model.
+KEPT_TRAILING_DIMS = {"nn.functional.layer_norm": lambda s: len(s.args[0]),
+                      "native_layer_norm": lambda s: len(s.args[0])}
+
+
+def _resized(sample, k, fixed=frozenset(), trailing=0):
     """The sample with every size d >= 2 of every tensor moved by k inside its bucket: a
     size maps to the same size everywhere, so dims that must match still do. Floating
     tensors get new values; the others repeat their old ones (indices stay in range where
-    sizes grow; where one shrinks the CPU decides: both sides must raise alike)."""
+    sizes grow; where one shrinks the CPU decides: both sides must raise alike). Arguments
+    in `fixed` ("input", positions of args) stay as they are, and so do the last `trailing`
+    dims of each tensor."""
     gen = torch.Generator().manual_seed(k)
 
     def re(x):
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return x
-        shape = [_moved(d, k) for d in x.shape]
+        shape = [d if i >= x.dim() - trailing else _moved(d, k) for i, d in enumerate(x.shape)]
         if x.is_floating_point():
             y = torch.randn(shape, generator=gen, dtype=x.dtype)
         elif x.numel() == 0:
@@ -50,7 +61,9 @@ def _resized(sample, k):
             y = flat[torch.arange(math.prod(shape)) % flat.numel()].reshape(shape)
         return y.requires_grad_(x.requires_grad)
 
-    return SampleInput(tree_map(re, sample.input), args=tree_map(re, sample.args),
+    args = tuple(a if i in fixed else tree_map(re, a) for i, a in enumerate(sample.args))
+    inp = sample.input if "input" in fixed else tree_map(re, sample.input)
+    return SampleInput(inp, args=args,
                        kwargs=tree_map(re, sample.kwargs),
                        output_process_fn_grad=sample.output_process_fn_grad,
                        broadcasts_input=sample.broadcasts_input, name=sample.name)
@@ -61,39 +74,88 @@ def _sizes(sample):
             if isinstance(x, torch.Tensor)]
 
 
+# Ops that serve sizes whose OpInfo goes by another name (a composite calls them).
+FORWARD_OPINFOS = {
+    "aten::native_layer_norm": ["nn.functional.layer_norm"],
+    "aten::nll_loss_forward": ["nn.functional.nll_loss"],
+}
+
+
 def _bucketed_opinfos():
-    names = []
+    names = {n for ns in FORWARD_OPINFOS.values() for n in ns}
     for name, op in oi.OPS.items():
         aten = oi.native_aten_name(op)
         if (aten and torch_pjrt._C.serves_sizes("aten::" + aten)
-                and torch.float32 in op.supported_dtypes("cpu")
-                and oi.lookup(name, "float32", "forward") is None):
-            names.append(name)
-    return sorted(names)
+                and torch.float32 in op.supported_dtypes("cpu")):
+            names.add(name)
+    return sorted(n for n in names if oi.lookup(n, "float32", "forward") is None)
 
 
-@per_op
-@pytest.mark.parametrize("name", _bucketed_opinfos())
-def test_opinfo_samples_at_other_sizes_of_their_bucket(name):
-    """Each OpInfo sample of an op that serves sizes, run at its size and at two other sizes
-    of the same buckets: every run gives the CPU's result (values and shapes, the OpInfo's
-    tolerances), and the third compiles nothing: the second built the bucket's program."""
+# Backward ops that serve sizes, and OpInfos whose backward calls them.
+BACKWARD_OPINFOS = {
+    "aten::gelu_backward": ["nn.functional.gelu"],
+    "aten::silu_backward": ["nn.functional.silu"],
+    "aten::sigmoid_backward": ["sigmoid"],
+    "aten::tanh_backward": ["tanh"],
+    "aten::threshold_backward": ["nn.functional.relu"],
+    "aten::_softmax_backward_data": ["softmax"],
+    "aten::_log_softmax_backward_data": ["log_softmax"],
+    "aten::nll_loss_backward": ["nn.functional.nll_loss"],
+    "aten::embedding_dense_backward": ["nn.functional.embedding"],
+    "aten::native_layer_norm_backward": ["nn.functional.layer_norm"],
+}
+
+
+def test_every_backward_op_that_serves_sizes_has_an_opinfo_here():
+    sized = {o for o in torch_pjrt._C.lowered_ops() if torch_pjrt._C.serves_sizes(o)}
+    backward = {o for o in sized if "backward" in o}
+    assert backward == set(BACKWARD_OPINFOS), backward ^ set(BACKWARD_OPINFOS)
+
+
+def _backward_opinfos():
+    return sorted({n for names in BACKWARD_OPINFOS.values() for n in names
+                   if oi.lookup(n, "float32", "backward") is None})
+
+
+def _at_other_sizes(name, direction):
+    """Each OpInfo sample, run at its size and at two other sizes of the same buckets:
+    every run gives the CPU's result (values and shapes, the OpInfo's tolerances), and the
+    third compiles nothing: the second built the bucket's program."""
     op = oi.OPS[name]
+    run = oi.RUNNERS[direction]
     atol, rtol = oi.tolerances(op, torch.float32)
     torch_pjrt.wait_background()
     torch_pjrt.clear_cache(disk=False)  # earlier tests' programs at these shapes
     n = opinfo_samples(os.environ.get("TORCH_PJRT_OPINFO_SAMPLES", "8"))
+    fixed = FIXED_ARGS.get(name, frozenset())
+    kept = KEPT_TRAILING_DIMS.get(name, lambda s: 0)
+
+    def resized(s, k):
+        return _resized(s, k, fixed, kept(s))
+
+    def moves(s):
+        """Two moves inside the buckets; with kept dims, ones where no moved size equals a
+        kept one (duck sizing would pad both at that size only: another program)."""
+        if not kept(s):
+            return [1, 2]
+        fixed_sizes = {d for x in _sizes(s) for d in x[len(x) - kept(s):]}
+        return [k for k in range(1, 9)
+                if not any(d in fixed_sizes for x in _sizes(resized(s, k))
+                           for d in x[:len(x) - kept(s)])][:2]
+
     served = 0
-    samples = (s for s in op.sample_inputs("cpu", torch.float32)
+    samples = (s for s in op.sample_inputs("cpu", torch.float32,
+                                           requires_grad=direction == "backward")
                # Nothing to resize in scalars and sizes 1; empty tensors run exact programs.
-               if _sizes(_resized(s, 1)) != _sizes(s) and not any(0 in x for x in _sizes(s)))
+               if _sizes(resized(s, 1)) != _sizes(s)
+               and not any(0 in x for x in _sizes(s)) and len(moves(s)) == 2)
     for sample in itertools.islice(samples, n):
-        second, third = _resized(sample, 1), _resized(sample, 2)
+        second, third = (resized(sample, k) for k in moves(sample))
         try:
-            oi.forward(op, name, sample, atol, rtol)
-            oi.forward(op, name, second, atol, rtol)
+            run(op, name, sample, atol, rtol)
+            run(op, name, second, atol, rtol)
             reset()
-            oi.forward(op, name, third, atol, rtol)
+            run(op, name, third, atol, rtol)
         except oi.CpuRaised:
             continue
         progs = torch_pjrt.metrics()["programs"]
@@ -105,3 +167,16 @@ def test_opinfo_samples_at_other_sizes_of_their_bucket(name):
         assert not built, (sample.name, _sizes(third), built)
         served += sum(c[2] for c in progs.values())
     assert served > 0, f"no sample of {name} ran a bucketed program"
+
+
+@per_op
+@pytest.mark.parametrize("name", _bucketed_opinfos())
+def test_opinfo_samples_at_other_sizes_of_their_bucket(name):
+    _at_other_sizes(name, "forward")
+
+
+@per_op
+@pytest.mark.parametrize("name", _backward_opinfos())
+def test_opinfo_gradients_at_other_sizes_of_their_bucket(name):
+    """The same for gradients: the backward ops that serve sizes (BACKWARD_OPINFOS)."""
+    _at_other_sizes(name, "backward")

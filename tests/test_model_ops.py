@@ -168,8 +168,10 @@ def test_grouped_mm_forward_and_backward(eager_mode, case, dtype, seed):
     got = run(a.to("tpu"), b.to("tpu"), None if offs is None else offs.to("tpu"))
     m = torch_pjrt.metrics()
     assert not fallbacks(), fallbacks()
-    # Native: no per-group slicing on the host, so no read of the offsets.
-    assert m["ops"]["aten::_grouped_mm"][0] == 3 and m["device_to_host_bytes"] == 0, m["ops"]
+    # Native: no per-group slicing on the host, so no read of the offsets (shape buckets may
+    # stage the inputs of other ops through the host: bucket_host_bytes).
+    read = m["device_to_host_bytes"] - m["bucket_host_bytes"]
+    assert m["ops"]["aten::_grouped_mm"][0] == 3 and read == 0, (read, m["ops"])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert_close(got, want, atol=tol, rtol=tol)
 

@@ -22,6 +22,7 @@
 //! from lowering the op at its exact shapes (no compilation; cached by exact key).
 
 use std::collections::HashMap;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 
 use stablehlo::DType;
@@ -339,6 +340,9 @@ pub(crate) fn stage(
     padded: &[i64],
 ) -> Result<Arc<pjrt::Buffer>> {
     let bytes = rt.download(storage)?;
+    rt.metrics
+        .bucket_host_bytes
+        .fetch_add(bytes.len() as u64, Relaxed);
     let size = dtype.size();
     // SAFETY: `bytes` is the whole storage and the view lies inside it (PyTorch's bounds).
     let real = unsafe { crate::host::read(bytes.as_ptr(), view, size) };
@@ -396,6 +400,9 @@ pub(crate) fn compact(
         return Ok(buf.clone());
     }
     let mut bytes = rt.download(buf)?;
+    rt.metrics
+        .bucket_host_bytes
+        .fetch_add(bytes.len() as u64, Relaxed);
     bytes.truncate(elems as usize * dtype.size());
     if let Some(v) = layout {
         let mut out = vec![0u8; bytes.len()];

@@ -1196,13 +1196,7 @@ impl Sources for ProgramInputs<'_> {
             if bk.is_some() {
                 self.inputs.push(Input::Size { path, dim: d });
                 let n = b.param(TensorType::scalar(DType::I32));
-                // XLA's dynamic padder keeps every later op exact on the real part.
-                v = b.op(
-                    "stablehlo.set_dimension_size",
-                    &[v, n],
-                    &format!("dimension = {d} : i64"),
-                    ty.clone(),
-                );
+                v = b.set_dimension_size(v, d, n);
             }
         }
         Some(v)
@@ -1336,7 +1330,7 @@ pub(crate) fn plan_with(
     staging: Option<&crate::buckets::Staging>,
 ) -> Result<Plan> {
     let mut b = Builder::new();
-    b.set_split_reductions(staging.is_some());
+    b.set_padded(staging.is_some());
     let mut src = ProgramInputs {
         inputs: Vec::new(),
         rng_consumed: 0,

@@ -49,6 +49,9 @@ pub struct Metrics {
     background_nanos: AtomicU64,
     /// Calls at an exact shape never seen before that a bucketed program served.
     pub new_shapes_served: AtomicU64,
+    /// Device-to-host bytes of shape buckets (inputs staged, results compacted on the host):
+    /// part of `d2h_bytes`, none of it a value read by the user's code.
+    pub bucket_host_bytes: AtomicU64,
 }
 
 /// A plain snapshot of the counters.
@@ -168,6 +171,7 @@ impl Metrics {
             ("donated_buffers", g(&self.donated_buffers)),
             ("split_flushes", g(&self.split_flushes)),
             ("new_shapes_served", g(&self.new_shapes_served)),
+            ("bucket_host_bytes", g(&self.bucket_host_bytes)),
             ("background_compilations", g(&self.background_compilations)),
             (
                 "background_compile_seconds",
@@ -227,6 +231,7 @@ impl Metrics {
             &self.donated_buffers,
             &self.split_flushes,
             &self.new_shapes_served,
+            &self.bucket_host_bytes,
             &self.background_compilations,
             &self.background_nanos,
         ] {

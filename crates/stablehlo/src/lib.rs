@@ -216,9 +216,11 @@ pub struct Builder {
     /// Functions made elsewhere that the body calls (imported kernels): (name, text),
     /// each name once; printed after `@main`.
     funcs: Vec<(String, Arc<str>)>,
-    /// Floating-point sums and products over several dims reduce one dim at a time (see
-    /// `reduce`): set for programs whose inputs are padded to a bucket.
-    split_reductions: bool,
+    /// The program's inputs are padded to a bucket (shape buckets, `set_padded`).
+    padded: bool,
+    /// Values with dims of a real size below their type's (`set_dimension_size`): per dim,
+    /// the `i32` scalar holding it.
+    real_sizes: std::collections::HashMap<Value, Vec<Option<Value>>>,
 }
 
 impl Default for Builder {
@@ -249,17 +251,27 @@ impl Builder {
             bodies: vec![String::new()],
             aliases: Vec::new(),
             funcs: Vec::new(),
-            split_reductions: false,
+            padded: false,
+            real_sizes: Default::default(),
         }
     }
 
-    /// Programs of padded inputs (shape buckets) keep their logical dims, each at most a
-    /// bucket: XLA:CPU tree-reduces only a dim longer than 32 (an exact program's reduction
-    /// over a flattened input is), so a sum over several short dims would add every element
-    /// in one sequential loop (2e-6 relative off over 250 elements). One dim at a time keeps
-    /// the rounding of a sum over each dim.
-    pub fn set_split_reductions(&mut self, on: bool) {
-        self.split_reductions = on;
+    /// A program whose inputs are padded to a bucket, their real sizes set with
+    /// `stablehlo.set_dimension_size` (shape buckets). Two things change:
+    /// - float sums and products over several dims reduce one dim at a time (`reduce`).
+    ///   Padded inputs keep their logical dims, each at most a bucket: XLA:CPU tree-reduces
+    ///   only a dim longer than 32 (an exact program's reduction over a flattened input is),
+    ///   so a sum over several short dims would add every element in one sequential loop
+    ///   (2e-6 relative off over 250 elements);
+    /// - element counts (`count`: the divisor of a mean) are the real sizes
+    ///   (`set_dimension_size`), not the padded shape's.
+    pub fn set_padded(&mut self, on: bool) {
+        self.padded = on;
+    }
+
+    /// Whether the program's inputs are padded (`set_padded`).
+    pub fn padded(&self) -> bool {
+        self.padded
     }
 
     fn fresh(&mut self, ty: TensorType) -> Value {
@@ -304,6 +316,7 @@ impl Builder {
         self.params.truncate(cp.params);
         self.types.truncate(cp.types);
         self.funcs.truncate(cp.funcs);
+        self.real_sizes.retain(|v, _| (v.0 as usize) < cp.types);
     }
 
     /// Adds a function made elsewhere (an imported kernel's) for the body to call; a name

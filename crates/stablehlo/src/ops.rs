@@ -194,6 +194,56 @@ impl Builder {
     }
 
     /// A scalar constant broadcast to `like`'s type.
+    /// `x` whose dim `dim` has the real size `n` (an `i32` scalar) within its type's: XLA's
+    /// dynamic padder keeps every later op exact on the real part (reductions and
+    /// contractions mask the rest). `count` and `convert` know the real size.
+    pub fn set_dimension_size(&mut self, x: Value, dim: usize, n: Value) -> Value {
+        let ty = self.ty(x).clone();
+        let mut sizes = self
+            .real_sizes
+            .get(&x)
+            .cloned()
+            .unwrap_or_else(|| vec![None; ty.shape.len()]);
+        sizes[dim] = Some(n);
+        let v = self.op(
+            "stablehlo.set_dimension_size",
+            &[x, n],
+            &format!("dimension = {dim} : i64"),
+            ty,
+        );
+        self.real_sizes.insert(v, sizes);
+        v
+    }
+
+    /// The number of elements of `x` over `dims`, as a value shaped like `like` (its dtype
+    /// and shape): the real sizes of a padded input (`set_dimension_size`, followed through
+    /// `convert`), the type's otherwise. MLIR folds `get_dimension_size` of a static type
+    /// to its bound, so the sizes come from the parameters that set them.
+    pub fn count(&mut self, x: Value, dims: &[i64], like: Value) -> Value {
+        let shape = self.shape(x);
+        let real = self.real_sizes.get(&x).cloned().unwrap_or_default();
+        let dynamic = |d: &i64| matches!(real.get(*d as usize), Some(Some(_)));
+        let fixed: i64 = dims
+            .iter()
+            .filter(|d| !dynamic(d))
+            .map(|d| shape[*d as usize])
+            .product();
+        if !dims.iter().any(dynamic) {
+            return self.splat(like, fixed as f64);
+        }
+        let mut n = self.constant(DType::I64, fixed as f64);
+        for d in dims.iter().filter(|d| dynamic(d)) {
+            let Some(Some(s)) = real.get(*d as usize).copied() else {
+                continue;
+            };
+            let s = self.convert(s, DType::I64);
+            n = self.mul(n, s);
+        }
+        let ty = self.ty(like).clone();
+        let n = self.convert(n, ty.dtype);
+        self.broadcast_to(n, &ty.shape)
+    }
+
     pub fn splat(&mut self, like: Value, v: f64) -> Value {
         let ty = self.ty(like).clone();
         self.full(ty.dtype, &ty.shape, v)
@@ -259,7 +309,11 @@ impl Builder {
             return self.convert(r, dtype);
         }
         let ty = self.ty(x).with_dtype(dtype);
-        self.op("stablehlo.convert", &[x], "", ty)
+        let v = self.op("stablehlo.convert", &[x], "", ty);
+        if let Some(sizes) = self.real_sizes.get(&x).cloned() {
+            self.real_sizes.insert(v, sizes);
+        }
+        v
     }
 
     /// The real part of a complex `x` (a float `x` is its own).
@@ -519,7 +573,7 @@ impl Builder {
     /// Reduces `x` over `dims` with a builtin combiner.
     pub fn reduce(&mut self, x: Value, dims: &[i64], kind: ReduceKind) -> Value {
         let dtype = self.dtype(x);
-        if self.split_reductions
+        if self.padded
             && dims.len() > 1
             && matches!(kind, ReduceKind::Sum | ReduceKind::Prod)
             && dtype.is_float()
@@ -931,5 +985,34 @@ impl Builder {
             "call_target_name = \"{target}\", backend_config = \"{backend_config}\", api_version = 1 : i32"
         );
         self.op_regions("stablehlo.custom_call", operands, &[], &attrs, results)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Builder, DType, ReduceKind, TensorType};
+
+    /// A mean's divisor: the type's size, or in a padded program the real size set on the
+    /// input (followed through a convert), never the bucket's.
+    #[test]
+    fn count_is_the_real_size_of_a_padded_dim() {
+        let mut b = Builder::new();
+        let x = b.param(TensorType::new(DType::F32, &[16, 8]));
+        let s = b.reduce(x, &[0, 1], ReduceKind::Sum);
+        let n = b.count(x, &[0, 1], s);
+        assert!(!b.finish(&[n]).contains("multiply"));
+
+        let mut b = Builder::new();
+        b.set_padded(true);
+        let x = b.param(TensorType::new(DType::F16, &[16, 8]));
+        let real = b.param(TensorType::scalar(DType::I32));
+        let x = b.set_dimension_size(x, 0, real);
+        let x = b.convert(x, DType::F32);
+        let s = b.reduce(x, &[0, 1], ReduceKind::Sum);
+        let n = b.count(x, &[0, 1], s);
+        let text = b.finish(&[n]);
+        // 8 (static) times the real size of dim 0, converted from the i32 parameter.
+        assert!(text.contains("stablehlo.multiply"), "{text}");
+        assert!(text.contains("\"stablehlo.convert\"(%v1)"), "{text}");
     }
 }

@@ -1838,7 +1838,12 @@ fn diagonal_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 /// The ops of this family whose programs may serve a range of sizes (see
 /// `super::serves_sizes`).
-pub const SERVES_SIZES: &[&str] = &["aten::masked_fill", "aten::index_select", "aten::embedding"];
+pub const SERVES_SIZES: &[&str] = &[
+    "aten::masked_fill",
+    "aten::index_select",
+    "aten::embedding",
+    "aten::embedding_dense_backward",
+];
 
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::index_select", index_select),

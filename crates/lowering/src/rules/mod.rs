@@ -149,9 +149,11 @@ pub fn outs_exclude_each_other(op: &str) -> Option<&'static str> {
     }
 }
 
-fn sized_families() -> [&'static [&'static str]; 7] {
+fn sized_families() -> [&'static [&'static str]; 9] {
     [
         pointwise::SERVES_SIZES,
+        losses::SERVES_SIZES,
+        normalization::SERVES_SIZES,
         special::SERVES_SIZES,
         index::SERVES_SIZES,
         linalg::SERVES_SIZES,
@@ -165,8 +167,9 @@ fn sized_families() -> [&'static [&'static str]; 7] {
 /// stay exact when XLA pads a dimension (no size used as a number, no op the dynamic
 /// padder cannot follow), checked against the CPU at several sizes of one bucket in
 /// tests/test_dynamic.py. Each family lists its own (`SERVES_SIZES`, next to its rules);
-/// others (mean and var divide by a size, sort, cumsum, roll, fills of a fresh tensor, ...)
-/// compile per shape. In-place and out= forms follow the op.
+/// others (sort, cumsum, roll, fills of a fresh tensor, ...) compile per shape. A rule that
+/// divides by a size takes it from `Builder::count` (the real one in a padded program).
+/// In-place and out= forms follow the op.
 pub fn serves_sizes(op: &str) -> bool {
     static SET: OnceLock<std::collections::HashSet<&'static str>> = OnceLock::new();
     SET.get_or_init(|| sized_families().concat().into_iter().collect())
@@ -405,7 +408,7 @@ mod serves_sizes_tests {
                 assert!(serves_sizes(op) && serves_sizes(&format!("{op}_")));
             }
         }
-        assert!(!serves_sizes("aten::mean") && !serves_sizes("aten::sort"));
+        assert!(!serves_sizes("aten::cumsum") && !serves_sizes("aten::sort"));
     }
 
     #[test]

@@ -261,6 +261,18 @@ fn batch_norm_with_update(c: &mut Ctx) -> LResult<Vec<Out>> {
 }
 
 /// The first normalized dim, with PyTorch's checks of `normalized_shape`, weight and bias.
+/// `normalized_shape`; in a padded program (shape buckets) the input's trailing dims,
+/// padded like it (the call was checked at its exact shapes before).
+fn normalized_shape(c: &Ctx, x: &TensorArg) -> LResult<Vec<i64>> {
+    let ns = c.args.ints("normalized_shape")?;
+    let r = x.shape.len();
+    Ok(if c.b.padded() && !ns.is_empty() && ns.len() <= r {
+        x.shape[r - ns.len()..].to_vec()
+    } else {
+        ns
+    })
+}
+
 fn layer_norm_axis(
     x: &TensorArg,
     ns: &[i64],
@@ -313,9 +325,8 @@ fn layer_norm_axis(
 /// and rstd: the statistics layer and group norm share.
 fn normalize(b: &mut Builder, x: Value, dims: &[i64], eps: f64) -> (Value, Value, Value) {
     let shape = b.shape(x);
-    let n: i64 = dims.iter().map(|d| shape[*d as usize]).product();
     let s = super::reduce::sum_keep(b, x, dims);
-    let nn = b.splat(s, n as f64);
+    let nn = b.count(x, dims, s);
     let mean = b.div(s, nn);
     let mb = b.broadcast_to(mean, &shape);
     let d = b.sub(x, mb);
@@ -385,7 +396,7 @@ fn group_norm(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 fn layer_norm(c: &mut Ctx) -> LResult<Vec<Out>> {
     let x = tensor(c, "input")?;
-    let ns = c.args.ints("normalized_shape")?;
+    let ns = normalized_shape(c, &x)?;
     let w = c.args.opt_tensor("weight").cloned();
     let bias = c.args.opt_tensor("bias").cloned();
     let eps = c.args.float("eps")?;
@@ -416,7 +427,7 @@ fn layer_norm(c: &mut Ctx) -> LResult<Vec<Out>> {
 fn layer_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let gy = tensor(c, "grad_out")?;
     let x = tensor(c, "input")?;
-    let ns = c.args.ints("normalized_shape")?;
+    let ns = normalized_shape(c, &x)?;
     let mean = tensor(c, "mean")?;
     let rstd = tensor(c, "rstd")?;
     let w = c.args.opt_tensor("weight").cloned();
@@ -430,7 +441,6 @@ fn layer_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let r = x.shape.len() as i64;
     let norm_dims: Vec<i64> = (axis as i64..r).collect();
     let batch_dims: Vec<i64> = (0..axis as i64).collect();
-    let n = numel(&ns);
     let cd = opmath(x.dtype);
     let b = &mut *c.b;
     let xv = b.convert(x.value, cd);
@@ -457,7 +467,7 @@ fn layer_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
         let s1 = super::reduce::sum_keep(b, gw, &norm_dims);
         let gx = b.mul(gw, xhat);
         let s2 = super::reduce::sum_keep(b, gx, &norm_dims);
-        let nn = b.splat(s1, n as f64);
+        let nn = b.count(xv, &norm_dims, s1);
         let m1 = b.div(s1, nn);
         let m2 = b.div(s2, nn);
         let m1 = b.broadcast_to(m1, &x.shape);
@@ -648,6 +658,13 @@ fn weight_norm_interface_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
         Out::T(b.convert(grad_g, g.dtype)),
     ])
 }
+
+/// The ops of this family whose programs may serve a range of sizes (see
+/// `super::serves_sizes`): their means divide by `Builder::count`, the real sizes.
+pub const SERVES_SIZES: &[&str] = &[
+    "aten::native_layer_norm",
+    "aten::native_layer_norm_backward",
+];
 
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::native_batch_norm", batch_norm),

@@ -620,6 +620,11 @@ pub const SERVES_SIZES: &[&str] = &[
     "aten::clamp",
     "aten::minimum",
     "aten::maximum",
+    "aten::gelu_backward",
+    "aten::silu_backward",
+    "aten::sigmoid_backward",
+    "aten::tanh_backward",
+    "aten::threshold_backward",
 ];
 
 pub const RULES: &[(&str, Rule)] = &[

@@ -90,8 +90,7 @@ fn mean(c: &mut Ctx) -> LResult<Vec<Out>> {
     let keep = c.args.bool_or("keepdim", false);
     let x = c.b.convert(t.value, opmath(dt));
     let s = reduce_keep(c.b, x, &dims, ReduceKind::Sum, keep);
-    let n: i64 = dims.iter().map(|d| t.shape[*d as usize]).product();
-    let k = c.b.splat(s, n as f64);
+    let k = c.b.count(x, &dims, s);
     let m = c.b.div(s, k);
     Ok(vec![Out::T(c.b.convert(m, dt))])
 }
@@ -279,15 +278,23 @@ fn var_std(c: &mut Ctx, take_sqrt: bool, with_mean: bool) -> LResult<Vec<Out>> {
     };
     let b = &mut *c.b;
     let x = b.convert(t.value, opmath(t.dtype));
-    let n: i64 = dims.iter().map(|d| t.shape[*d as usize]).product();
     let s = sum_keep(b, x, &dims);
-    let nk = b.splat(s, n as f64);
+    let nk = b.count(x, &dims, s);
     let m = b.div(s, nk);
     let mb = expand_back(b, m, &t.shape);
     let d = b.sub(x, mb);
     let d2 = b.mul(d, d);
     let ss = reduce_keep(b, d2, &dims, ReduceKind::Sum, keep);
-    let den = b.splat(ss, (n as f64 - correction).max(0.0));
+    let den = if b.padded() {
+        let n = b.count(x, &dims, ss);
+        let corr = b.splat(ss, correction);
+        let den = b.sub(n, corr);
+        let zero = b.splat(ss, 0.0);
+        b.max(den, zero)
+    } else {
+        let n: i64 = dims.iter().map(|d| t.shape[*d as usize]).product();
+        b.splat(ss, (n as f64 - correction).max(0.0))
+    };
     let v = b.div(ss, den);
     let v = if take_sqrt { b.sqrt(v) } else { v };
     let mut outs = vec![Out::T(b.convert(v, t.dtype))];
@@ -436,7 +443,14 @@ fn softmax_backward(c: &mut Ctx, log: bool) -> LResult<Vec<Out>> {
 pub const SERVES_SIZES: &[&str] = &[
     "aten::_softmax",
     "aten::_log_softmax",
+    "aten::_softmax_backward_data",
+    "aten::_log_softmax_backward_data",
     "aten::sum",
+    "aten::mean",
+    "aten::var",
+    "aten::std",
+    "aten::var_mean",
+    "aten::std_mean",
     "aten::amax",
     "aten::amin",
     "aten::argmax",
