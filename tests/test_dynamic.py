@@ -101,6 +101,20 @@ def test_no_compilation_inside_a_bucket():
     assert hits["aten::_softmax"] >= 28 and hits["aten::mm"] >= 28
 
 
+@per_op
+def test_an_index_past_the_real_size_of_a_padded_dim_raises():
+    """Duck sizing pads a dim whose size equals a changing one (the indexed dim, 5, once
+    there are 5 indices): the range check compares with the real size, not the bucket's."""
+    reset()
+    for n in (3, 4, 5):
+        x = torch.randn(n, 5, device="tpu")
+        idx = torch.tensor([1, 9] + [2] * (n - 2), device="tpu")
+        with pytest.raises(IndexError, match="index out of range in self"):
+            x.index_select(1, idx).cpu()
+        torch.tpu.synchronize()  # reported once, by the read
+    assert torch_pjrt.metrics()["programs"]["aten::index_select"][1] >= 1  # bucketed
+
+
 def test_bucketed_sums_over_short_dims_round_like_the_cpu():
     """A padded input keeps its short logical dims, which XLA:CPU would sum in one
     sequential loop (250 x 0.2 gave 50.000118); summed one dim at a time it is as close to

@@ -77,7 +77,6 @@ def _sizes(sample):
 # Ops that serve sizes whose OpInfo goes by another name (a composite calls them).
 FORWARD_OPINFOS = {
     "aten::native_layer_norm": ["nn.functional.layer_norm"],
-    "aten::nll_loss_forward": ["nn.functional.nll_loss"],
 }
 
 
@@ -100,7 +99,6 @@ BACKWARD_OPINFOS = {
     "aten::threshold_backward": ["nn.functional.relu"],
     "aten::_softmax_backward_data": ["softmax"],
     "aten::_log_softmax_backward_data": ["log_softmax"],
-    "aten::nll_loss_backward": ["nn.functional.nll_loss"],
     "aten::embedding_dense_backward": ["nn.functional.embedding"],
     "aten::native_layer_norm_backward": ["nn.functional.layer_norm"],
 }

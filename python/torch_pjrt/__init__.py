@@ -210,8 +210,7 @@ def set_cache_dir(path):
 
 
 def set_shape_buckets(on=True):
-    """Programs that serve a range of sizes (on by default; ``TORCH_TPU_SHAPE_BUCKETS=0``
-    turns them off: one program per exact shape).
+    """Programs that serve a range of sizes (off by default; ``TORCH_TPU_SHAPE_BUCKETS=1``).
 
     In Strict and Debug modes, once an op is called again with other sizes, calls at new
     sizes run a program compiled for a power-of-two bucket of each changing dimension

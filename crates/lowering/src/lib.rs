@@ -127,10 +127,31 @@ impl<'a> Ctx<'a> {
     /// `idx` lies in `[lo, hi)` (XLA clamps out-of-range gathers and drops such scatters,
     /// where PyTorch raises). `msg` may name the offending value as `{index}`.
     pub fn check_range(&mut self, idx: Value, lo: i64, hi: i64, kind: ErrorKind, msg: String) {
+        let idx = self.b.convert(idx, DType::I64);
+        let h = self.b.splat(idx, hi as f64);
+        self.check_range_below(idx, lo, h, kind, msg);
+    }
+
+    /// `check_range(idx, 0, n)` where `n` is `x`'s size along `dim`: in a padded program
+    /// (shape buckets) its real size, as duck sizing pads a dim that equals a changing size.
+    /// `x` is an input of the op (or its `convert`).
+    pub fn check_index_into(
+        &mut self,
+        idx: Value,
+        x: Value,
+        dim: usize,
+        kind: ErrorKind,
+        msg: String,
+    ) {
+        let idx = self.b.convert(idx, DType::I64);
+        let h = self.b.count(x, &[dim as i64], idx);
+        self.check_range_below(idx, 0, h, kind, msg);
+    }
+
+    /// Indices `idx` (i64) outside `[lo, h)`, `h` shaped like `idx`.
+    fn check_range_below(&mut self, idx: Value, lo: i64, h: Value, kind: ErrorKind, msg: String) {
         let b = &mut *self.b;
-        let idx = b.convert(idx, DType::I64);
         let l = b.splat(idx, lo as f64);
-        let h = b.splat(idx, hi as f64);
         let below = b.compare(idx, l, stablehlo::CmpDir::Lt);
         let above = b.compare(idx, h, stablehlo::CmpDir::Ge);
         let out = b.or(below, above);

@@ -33,13 +33,14 @@ use crate::{Error, Result, Runtime};
 
 static ENABLED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
 
-/// On unless `TORCH_TPU_SHAPE_BUCKETS=0` (or `set_enabled(false)`): only the ops whose
-/// rules stay exact on padded inputs are bucketed (see `lowering::rules::serves_sizes`).
+/// Off unless `TORCH_TPU_SHAPE_BUCKETS=1` (or `set_enabled(true)`): a static model whose
+/// layers call one op at several sizes would run its first steps bucketed (resnet18's first
+/// forward: 2x the time, 38 MB staged through the host), see ARCHITECTURE.md.
 pub fn enabled() -> bool {
     use std::sync::atomic::Ordering;
     match ENABLED.load(Ordering::Relaxed) {
         2 => {
-            let on = std::env::var("TORCH_TPU_SHAPE_BUCKETS").map_or(true, |v| v != "0");
+            let on = std::env::var("TORCH_TPU_SHAPE_BUCKETS").is_ok_and(|v| v == "1");
             ENABLED.store(on as u8, Ordering::Relaxed);
             on
         }

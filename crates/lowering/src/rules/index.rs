@@ -362,10 +362,10 @@ fn index_select(c: &mut Ctx) -> LResult<Vec<Out>> {
             "index_select(): self indexing axis dim should be positive",
         );
     }
-    c.check_range(
+    c.check_index_into(
         index.value,
-        0,
-        t.shape[dim],
+        t.value,
+        dim,
         IndexErr,
         "index out of range in self".into(),
     );
@@ -493,10 +493,10 @@ fn embedding(c: &mut Ctx) -> LResult<Vec<Out>> {
     }
     check_embedding_indices(&idx, "#1", "embedding")?;
     supported(w.dtype)?;
-    c.check_range(
+    c.check_index_into(
         idx.value,
+        w.value,
         0,
-        w.shape[0],
         IndexErr,
         "index out of range in self".into(),
     );

@@ -2130,10 +2130,6 @@ fn nll_loss_backward(c: &mut Ctx, two_d: bool) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.convert(gi, x.dtype))])
 }
 
-/// The ops of this family whose programs may serve a range of sizes (see
-/// `super::serves_sizes`): the mean divides by the summed target weights, not by a size.
-pub const SERVES_SIZES: &[&str] = &["aten::nll_loss_forward", "aten::nll_loss_backward"];
-
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::nll_loss_forward", |c| nll_loss(c, false)),
     ("aten::nll_loss_backward", |c| nll_loss_backward(c, false)),

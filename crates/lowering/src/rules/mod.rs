@@ -149,10 +149,9 @@ pub fn outs_exclude_each_other(op: &str) -> Option<&'static str> {
     }
 }
 
-fn sized_families() -> [&'static [&'static str]; 9] {
+fn sized_families() -> [&'static [&'static str]; 8] {
     [
         pointwise::SERVES_SIZES,
-        losses::SERVES_SIZES,
         normalization::SERVES_SIZES,
         special::SERVES_SIZES,
         index::SERVES_SIZES,
@@ -167,8 +166,9 @@ fn sized_families() -> [&'static [&'static str]; 9] {
 /// stay exact when XLA pads a dimension (no size used as a number, no op the dynamic
 /// padder cannot follow), checked against the CPU at several sizes of one bucket in
 /// tests/test_dynamic.py. Each family lists its own (`SERVES_SIZES`, next to its rules);
-/// others (sort, cumsum, roll, fills of a fresh tensor, ...) compile per shape. A rule that
-/// divides by a size takes it from `Builder::count` (the real one in a padded program).
+/// others (sort, cumsum, roll, fills of a fresh tensor, `nll_loss` whose target check
+/// compares with a class count that duck sizing may pad, ...) compile per shape. A rule
+/// that divides by a size takes it from `Builder::count` (the real one in a padded program).
 /// In-place and out= forms follow the op.
 pub fn serves_sizes(op: &str) -> bool {
     static SET: OnceLock<std::collections::HashSet<&'static str>> = OnceLock::new();
