@@ -193,7 +193,6 @@ impl Builder {
         self.unary("stablehlo.floor", a)
     }
 
-    /// A scalar constant broadcast to `like`'s type.
     /// `x` whose dim `dim` has the real size `n` (an `i32` scalar) within its type's: XLA's
     /// dynamic padder keeps every later op exact on the real part (reductions and
     /// contractions mask the rest). `count` and `convert` know the real size.
@@ -222,20 +221,19 @@ impl Builder {
     pub fn count(&mut self, x: Value, dims: &[i64], like: Value) -> Value {
         let shape = self.shape(x);
         let real = self.real_sizes.get(&x).cloned().unwrap_or_default();
-        let dynamic = |d: &i64| matches!(real.get(*d as usize), Some(Some(_)));
-        let fixed: i64 = dims
-            .iter()
-            .filter(|d| !dynamic(d))
-            .map(|d| shape[*d as usize])
-            .product();
-        if !dims.iter().any(dynamic) {
+        let mut fixed = 1i64;
+        let mut dynamic = Vec::new();
+        for d in dims {
+            match real.get(*d as usize) {
+                Some(Some(s)) => dynamic.push(*s),
+                _ => fixed *= shape[*d as usize],
+            }
+        }
+        if dynamic.is_empty() {
             return self.splat(like, fixed as f64);
         }
         let mut n = self.constant(DType::I64, fixed as f64);
-        for d in dims.iter().filter(|d| dynamic(d)) {
-            let Some(Some(s)) = real.get(*d as usize).copied() else {
-                continue;
-            };
+        for s in dynamic {
             let s = self.convert(s, DType::I64);
             n = self.mul(n, s);
         }
@@ -244,6 +242,7 @@ impl Builder {
         self.broadcast_to(n, &ty.shape)
     }
 
+    /// A scalar constant broadcast to `like`'s type.
     pub fn splat(&mut self, like: Value, v: f64) -> Value {
         let ty = self.ty(like).clone();
         self.full(ty.dtype, &ty.shape, v)
