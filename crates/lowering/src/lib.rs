@@ -105,6 +105,8 @@ pub struct Ctx<'a> {
     pub strided: Vec<String>,
     /// Data-dependent conditions the runtime verifies after the op (see `Check`).
     pub checks: Vec<Check>,
+    /// Why this lowering is wrong in a padded program, if it is (see `check_range`).
+    pub refuses_padding: Option<&'static str>,
 }
 
 impl<'a> Ctx<'a> {
@@ -120,13 +122,21 @@ impl<'a> Ctx<'a> {
             out_dtypes: Vec::new(),
             strided: Vec::new(),
             checks: Vec::new(),
+            refuses_padding: None,
         }
     }
 
     /// Asks the runtime to raise `kind`/`msg` unless every element of the integer tensor
     /// `idx` lies in `[lo, hi)` (XLA clamps out-of-range gathers and drops such scatters,
     /// where PyTorch raises). `msg` may name the offending value as `{index}`.
+    ///
+    /// In a padded program (shape buckets) a constant bound may be a padded size, which
+    /// would let an index past the real size through: the program is refused
+    /// (`refuses_padding`) and the call runs exactly. Use `check_index_into` there.
     pub fn check_range(&mut self, idx: Value, lo: i64, hi: i64, kind: ErrorKind, msg: String) {
+        if self.b.padded() {
+            self.refuses_padding = Some("checks indices against a constant bound");
+        }
         let idx = self.b.convert(idx, DType::I64);
         let h = self.b.splat(idx, hi as f64);
         self.check_range_below(idx, lo, h, kind, msg);
@@ -249,5 +259,20 @@ mod tests {
         let check = c.checks.pop().expect("one check");
         assert_eq!(c.b.ty(check.bad), &TensorType::new(DType::I64, &[]));
         assert!(c.checks.is_empty());
+        assert!(c.refuses_padding.is_none());
+    }
+
+    #[test]
+    fn a_constant_bound_refuses_a_padded_program() {
+        let mut b = Builder::new();
+        b.set_padded(true);
+        let idx = b.param(TensorType::new(DType::I64, &[4]));
+        let x = b.param(TensorType::new(DType::F32, &[8, 3]));
+        let args = Args::default();
+        let mut c = Ctx::new(&mut b, "aten::index_select", "", &args);
+        c.check_index_into(idx, x, 0, ErrorKind::Index, "bad".into());
+        assert!(c.refuses_padding.is_none(), "the real size bounds it");
+        c.check_range(idx, 0, 8, ErrorKind::Index, "bad".into());
+        assert!(c.refuses_padding.is_some());
     }
 }

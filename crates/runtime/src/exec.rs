@@ -975,6 +975,12 @@ pub(crate) fn lower_into(
     let rng_consumed = ctx.rng_consumed;
     let extra_writes = std::mem::take(&mut ctx.writes);
     let checks = std::mem::take(&mut ctx.checks);
+    if let Some(why) = ctx.refuses_padding {
+        // The bucket path then compiles exact programs for this signature.
+        return Ok(LowerOutcome::Declined(format!(
+            "{op} {why}: not in a padded program"
+        )));
+    }
     // Arguments the schema marks mutated (other than out=/self) must be written by the rule.
     let unmodelled = params.iter().enumerate().find(|(i, p)| {
         p.is_write
