@@ -10,6 +10,7 @@
 
 use stablehlo::{CmpDir, ReduceKind};
 
+use super::is_half;
 use crate::promote::torch_name;
 use crate::shape::{broadcast_shapes, numel, shape_str};
 use crate::{
@@ -23,10 +24,6 @@ use crate::{
 
 fn tensor(c: &Ctx, name: &str) -> LResult<TensorArg> {
     Ok(c.args.tensor(name)?.clone())
-}
-
-fn is_half(d: DType) -> bool {
-    matches!(d, DType::F16 | DType::BF16)
 }
 
 pub(super) fn need_matrix(op: &str, what: &str, shape: &[i64]) -> LResult<()> {

@@ -335,7 +335,7 @@ fn norm(c: &mut Ctx) -> LResult<Vec<Out>> {
     }
     let b = &mut *c.b;
     let x = b.convert(t.value, acc);
-    let r = super::sorting::norm_keep(b, x, &dims, ord);
+    let r = super::norms::norm_keep(b, x, &dims, ord);
     let r = b.reshape(r, &[]);
     Ok(vec![Out::T(b.convert(r, out))])
 }

@@ -1,13 +1,15 @@
 //! Matrix products.
 
 use crate::args::Scalar;
-use crate::shape::shape_str;
+use crate::promote::torch_name;
+use crate::shape::{broadcast_shapes, shape_str, wrap_dim};
 use crate::{
     decline, user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value,
 };
+use stablehlo::{CmpDir, ReduceKind};
 
-use super::opmath;
 use super::{common, mat, Opnd};
+use super::{input, opmath};
 
 /// `beta * self + alpha * prod`, skipping the terms PyTorch skips (beta == 0 ignores self,
 /// even NaN in it).
@@ -625,6 +627,107 @@ fn grouped_mm(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 /// The ops of this family whose programs may serve a range of sizes (see
 /// `super::serves_sizes`).
+fn trace(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = input(c)?;
+    if t.shape.len() != 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "trace: expected a matrix, but got tensor with dim {}",
+                t.shape.len()
+            ),
+        );
+    }
+    if t.dtype == DType::Bool {
+        return user_err(
+            ErrorKind::NotImplemented,
+            "\"trace\" not implemented for 'Bool'",
+        );
+    }
+    let dt = if t.dtype.is_float() || t.dtype.is_complex() {
+        t.dtype
+    } else {
+        DType::I64
+    };
+    let b = &mut *c.b;
+    let x = b.convert(t.value, opmath(dt));
+    let row = b.iota(DType::I64, &t.shape, 0);
+    let col = b.iota(DType::I64, &t.shape, 1);
+    let diag = b.compare(row, col, CmpDir::Eq);
+    let z = b.splat(x, 0.0);
+    let d = b.select(diag, x, z);
+    let r = b.reduce(d, &[0, 1], ReduceKind::Sum);
+    Ok(vec![Out::T(b.convert(r, dt))])
+}
+
+fn linalg_cross(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let x = input(c)?;
+    let y = c.args.tensor("other")?.clone();
+    if x.shape.len() != y.shape.len() {
+        return user_err(
+            ErrorKind::Runtime,
+            "linalg.cross: inputs must have the same number of dimensions.",
+        );
+    }
+    let d = c.args.int_or("dim", -1);
+    let dim = wrap_dim(d, x.shape.len())?;
+    if x.shape.is_empty() || x.shape[dim] != 3 || y.shape[dim] != 3 {
+        let (a, bb) = (
+            x.shape.get(dim).copied().unwrap_or(1),
+            y.shape.get(dim).copied().unwrap_or(1),
+        );
+        return user_err(
+            ErrorKind::Runtime,
+            format!("linalg.cross: inputs dimension {d} must have length 3. Got {a} and {bb}"),
+        );
+    }
+    if x.dtype != y.dtype {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "expected scalar type {} but found {}",
+                torch_name(x.dtype),
+                torch_name(y.dtype)
+            ),
+        );
+    }
+    if x.dtype == DType::Bool {
+        return decline("cross of bool tensors");
+    }
+    let shape = broadcast_shapes(&x.shape, &y.shape)?;
+    let b = &mut *c.b;
+    let xv = b.broadcast_to(x.value, &shape);
+    let yv = b.broadcast_to(y.value, &shape);
+    let xs: Vec<Value> = (0..3).map(|i| b.slice_dim(xv, dim, i, i + 1, 1)).collect();
+    let ys: Vec<Value> = (0..3).map(|i| b.slice_dim(yv, dim, i, i + 1, 1)).collect();
+    let comp = |b: &mut Builder, i: usize, j: usize| {
+        let p = b.mul(xs[i], ys[j]);
+        let q = b.mul(xs[j], ys[i]);
+        b.sub(p, q)
+    };
+    let r0 = comp(b, 1, 2);
+    let r1 = comp(b, 2, 0);
+    let r2 = comp(b, 0, 1);
+    Ok(vec![Out::T(b.concatenate(&[r0, r1, r2], dim))])
+}
+
+fn vdot(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let x = input(c)?;
+    let y = c.args.tensor("other")?.clone();
+    super::linalg::dot_checks(&x, &y)?;
+    if x.dtype == DType::Bool {
+        return decline("vdot of bool tensors");
+    }
+    let b = &mut *c.b;
+    Ok(vec![Out::T(b.dot_general(
+        x.value,
+        y.value,
+        (&[], &[]),
+        (&[0], &[0]),
+        x.dtype,
+    ))])
+}
+
 pub const SERVES_SIZES: &[&str] = &["aten::mm", "aten::bmm", "aten::addmm"];
 
 pub const RULES: &[(&str, Rule)] = &[
@@ -640,4 +743,7 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::addbmm", addbmm),
     ("aten::linalg_matrix_exp", matrix_exp),
     ("aten::_grouped_mm", grouped_mm),
+    ("aten::trace", trace),
+    ("aten::linalg_cross", linalg_cross),
+    ("aten::vdot", vdot),
 ];

@@ -9,7 +9,7 @@ use crate::args::Scalar;
 use crate::promote::{result_type, Operand};
 use crate::shape::broadcast_all;
 use crate::{Builder, Ctx, DType, LResult, Rule, TensorArg, Value};
-use stablehlo::ReduceKind;
+use stablehlo::{CmpDir, ReduceKind};
 
 pub mod activations;
 pub mod amp;
@@ -20,6 +20,7 @@ pub mod custom;
 pub mod decomp;
 pub mod detection;
 pub mod foreach;
+pub mod histogram;
 pub mod index;
 pub mod linalg;
 pub mod losses;
@@ -27,6 +28,7 @@ pub mod nn_common;
 #[cfg(test)]
 mod nn_tests;
 pub mod normalization;
+pub mod norms;
 pub mod padding;
 pub mod pointwise;
 pub mod pooling;
@@ -36,6 +38,7 @@ pub mod reduce;
 pub mod resampling;
 pub mod sorting;
 pub mod special;
+pub mod triangular;
 pub mod views;
 
 fn families() -> Vec<&'static [(&'static str, Rule)]> {
@@ -57,6 +60,9 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         foreach::RULES,
         special::RULES,
         sorting::RULES,
+        norms::RULES,
+        triangular::RULES,
+        histogram::RULES,
         decomp::RULES,
         losses::RULES,
         amp::RULES,
@@ -149,7 +155,7 @@ pub fn outs_exclude_each_other(op: &str) -> Option<&'static str> {
     }
 }
 
-fn sized_families() -> [&'static [&'static str]; 8] {
+fn sized_families() -> [&'static [&'static str]; 9] {
     [
         pointwise::SERVES_SIZES,
         normalization::SERVES_SIZES,
@@ -157,7 +163,8 @@ fn sized_families() -> [&'static [&'static str]; 8] {
         index::SERVES_SIZES,
         linalg::SERVES_SIZES,
         reduce::SERVES_SIZES,
-        sorting::SERVES_SIZES,
+        norms::SERVES_SIZES,
+        triangular::SERVES_SIZES,
         views::SERVES_SIZES,
     ]
 }
@@ -182,9 +189,12 @@ pub fn serves_sizes(op: &str) -> bool {
 /// own (`COLUMN_MAJOR_RESULTS`); only the first result is.
 pub fn column_major_result(op: &str, k: usize) -> bool {
     k == 0
-        && [sorting::COLUMN_MAJOR_RESULTS, decomp::COLUMN_MAJOR_RESULTS]
-            .iter()
-            .any(|family| family.contains(&op))
+        && [
+            triangular::COLUMN_MAJOR_RESULTS,
+            decomp::COLUMN_MAJOR_RESULTS,
+        ]
+        .iter()
+        .any(|family| family.contains(&op))
 }
 
 /// Ops that take non-scalar CPU tensors next to tpu ones: copies between the devices and
@@ -352,6 +362,54 @@ pub fn opmath(d: DType) -> DType {
     }
 }
 
+/// The `self` tensor.
+pub fn input(c: &Ctx) -> LResult<TensorArg> {
+    Ok(c.args.tensor("self")?.clone())
+}
+
+/// Where `x` is NaN.
+pub fn is_nan(b: &mut Builder, x: Value) -> Value {
+    b.compare(x, x, CmpDir::Ne)
+}
+
+/// `x * k`, `k` in `x`'s dtype.
+pub fn scale(b: &mut Builder, x: Value, k: f64) -> Value {
+    let k = b.splat(x, k);
+    b.mul(x, k)
+}
+
+/// Half types, which PyTorch's CPU distance, histogram and LAPACK kernels reject (the
+/// fallback reports that).
+pub fn is_half(d: DType) -> bool {
+    matches!(d, DType::F16 | DType::BF16)
+}
+
+/// For each value, how many boundaries precede it: `b < v` (left) or `b <= v` (right),
+/// written as `!(b >= v)` / `!(b > v)` so a NaN value lands past every boundary. On
+/// sorted, NaN-free boundaries this is the binary search's answer.
+/// `seq` is [..., n] (or [n], shared); `vals` has `seq`'s leading dims.
+pub fn count_before(b: &mut Builder, seq: Value, vals: Value, right: bool, out: DType) -> Value {
+    let ss = b.shape(seq);
+    let vs = b.shape(vals);
+    let n = ss[ss.len() - 1];
+    let mut full = vs.clone();
+    full.push(n);
+    let r = vs.len();
+    let sb = if ss.len() == 1 {
+        b.broadcast_in_dim(seq, &full, &[r as i64])
+    } else {
+        let dims: Vec<i64> = (0..r as i64 - 1).chain([r as i64]).collect();
+        b.broadcast_in_dim(seq, &full, &dims)
+    };
+    let all: Vec<i64> = (0..r as i64).collect();
+    let vb = b.broadcast_in_dim(vals, &full, &all);
+    let dir = if right { CmpDir::Gt } else { CmpDir::Ge };
+    let at_or_after = b.compare(sb, vb, dir);
+    let before = b.not(at_or_after);
+    let ones = b.convert(before, out);
+    b.reduce(ones, &[r as i64], ReduceKind::Sum)
+}
+
 /// Rows `idx[i]` of `table` ([N] indices into dim 0): shape [N, table.shape[1..]].
 pub fn take_rows(b: &mut Builder, table: Value, idx: Value) -> Value {
     let ts = b.shape(table);
@@ -414,7 +472,7 @@ mod serves_sizes_tests {
     #[test]
     fn every_column_major_result_has_its_family_rule() {
         for (fam, rules) in [
-            (sorting::COLUMN_MAJOR_RESULTS, sorting::RULES),
+            (triangular::COLUMN_MAJOR_RESULTS, triangular::RULES),
             (decomp::COLUMN_MAJOR_RESULTS, decomp::RULES),
         ] {
             for op in fam {

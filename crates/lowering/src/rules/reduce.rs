@@ -1,8 +1,8 @@
 //! Reductions, scans and softmax.
 
-use super::opmath;
+use super::{input, is_nan, opmath};
 use crate::promote::torch_name;
-use crate::shape::{reduce_dims, reduced_shape, wrap_dim};
+use crate::shape::{numel, reduce_dims, reduced_shape, wrap_dim};
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value};
 use stablehlo::{CmpDir, ReduceKind};
 
@@ -33,10 +33,6 @@ pub fn sum_keep(b: &mut Builder, x: Value, dims: &[i64]) -> Value {
 /// Broadcasts a keepdim-shaped value back to `shape`.
 pub fn expand_back(b: &mut Builder, x: Value, shape: &[i64]) -> Value {
     b.broadcast_to(x, shape)
-}
-
-fn input(c: &Ctx) -> LResult<TensorArg> {
-    Ok(c.args.tensor("self")?.clone())
 }
 
 /// The accumulation dtype of sum/prod/cumsum: the `dtype` argument, or int64 for integers.
@@ -440,6 +436,78 @@ fn softmax_backward(c: &mut Ctx, log: bool) -> LResult<Vec<Out>> {
 
 /// The ops of this family whose programs may serve a range of sizes (see
 /// `super::serves_sizes`).
+fn count_nonzero(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = input(c)?;
+    let dims = reduce_dims(c.args.opt_ints("dim").as_deref(), t.shape.len())?;
+    let b = &mut *c.b;
+    let z = b.splat(t.value, 0.0);
+    let nz = b.compare(t.value, z, CmpDir::Ne);
+    let nz = b.convert(nz, DType::I64);
+    Ok(vec![Out::T(b.reduce(nz, &dims, ReduceKind::Sum))])
+}
+
+fn aminmax(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = input(c)?;
+    c.require_out_dtype_cpp(t.dtype)?;
+    let keep = c.args.bool_or("keepdim", false);
+    let dims = match c.args.opt_int("dim") {
+        Some(d) => {
+            let d = wrap_dim(d, t.shape.len())?;
+            if !t.shape.is_empty() && t.shape[d] == 0 {
+                return user_err(
+                    ErrorKind::Index,
+                    format!("aminmax: Expected reduction dim {d} to have non-zero size."),
+                );
+            }
+            if t.shape.is_empty() {
+                vec![]
+            } else {
+                vec![d as i64]
+            }
+        }
+        None => {
+            if numel(&t.shape) == 0 {
+                return user_err(
+                    ErrorKind::Runtime,
+                    "aminmax(): cannot compute aminmax over an empty dimension as the operation has no identity.",
+                );
+            }
+            (0..t.shape.len() as i64).collect()
+        }
+    };
+    let b = &mut *c.b;
+    let mn = reduce_keep(b, t.value, &dims, ReduceKind::Min, keep);
+    let mx = reduce_keep(b, t.value, &dims, ReduceKind::Max, keep);
+    Ok(vec![Out::T(mn), Out::T(mx)])
+}
+
+fn nansum(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let t = input(c)?;
+    let dims = reduce_dims(c.args.opt_ints("dim").as_deref(), t.shape.len())?;
+    let keep = c.args.bool_or("keepdim", false);
+    let dt = c.args.opt_dtype("dtype").unwrap_or(if t.dtype.is_float() {
+        t.dtype
+    } else {
+        DType::I64
+    });
+    let b = &mut *c.b;
+    let x = b.convert(t.value, dt);
+    let x = if dt.is_float() {
+        let nan = is_nan(b, x);
+        let z = b.splat(x, 0.0);
+        b.select(nan, z, x)
+    } else {
+        x
+    };
+    Ok(vec![Out::T(reduce_keep(
+        b,
+        x,
+        &dims,
+        ReduceKind::Sum,
+        keep,
+    ))])
+}
+
 pub const SERVES_SIZES: &[&str] = &[
     "aten::_softmax",
     "aten::_log_softmax",
@@ -490,4 +558,7 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::_log_softmax_backward_data", |c| {
         softmax_backward(c, true)
     }),
+    ("aten::count_nonzero", count_nonzero),
+    ("aten::aminmax", aminmax),
+    ("aten::nansum", nansum),
 ];
