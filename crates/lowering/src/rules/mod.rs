@@ -14,6 +14,7 @@ use stablehlo::{CmpDir, ReduceKind};
 pub mod activations;
 pub mod amp;
 pub mod attention;
+pub mod bags;
 pub mod complex;
 pub mod convolution;
 pub mod custom;
@@ -65,6 +66,7 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         histogram::RULES,
         decomp::RULES,
         losses::RULES,
+        bags::RULES,
         amp::RULES,
         custom::RULES,
         detection::RULES,

@@ -5,7 +5,9 @@
 use super::{opmath, promote};
 use crate::promote::torch_name;
 use crate::shape::numel;
-use crate::{decline, Builder, Ctx, DType, LResult, Out, TensorArg, TensorType, Value};
+use crate::{
+    decline, user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, TensorArg, TensorType, Value,
+};
 use stablehlo::{CmpDir, ReduceKind};
 
 pub(super) fn tensor(c: &Ctx, name: &str) -> LResult<TensorArg> {
@@ -187,4 +189,37 @@ pub(super) fn pair(c: &mut Ctx, names: &[&str]) -> LResult<(Vec<Value>, DType, V
     let cd = opmath(dt);
     let v = v.into_iter().map(|x| c.b.convert(x, cd)).collect();
     Ok((v, dt, shape))
+}
+/// PyTorch's error for a kernel without an instance for `d`.
+pub(super) fn not_implemented<T>(kernel: &str, d: DType) -> LResult<T> {
+    user_err(
+        ErrorKind::NotImplemented,
+        format!("\"{kernel}\" not implemented for '{}'", torch_name(d)),
+    )
+}
+
+/// The group of each of `n` positions, given the (sorted) start of every group but the
+/// first: `#{s : starts[s] <= i}`. `starts` may be empty.
+pub(super) fn group_of(b: &mut Builder, starts: Value, n: i64) -> Value {
+    let k = b.shape(starts)[0];
+    if k == 0 {
+        return b.full(DType::I64, &[n], 0.0);
+    }
+    let s = b.convert(starts, DType::I64);
+    let sb = b.broadcast_in_dim(s, &[k, n], &[0]);
+    let pos = b.iota(DType::I64, &[k, n], 1);
+    let le = b.compare(sb, pos, CmpDir::Le);
+    let ones = b.convert(le, DType::I64);
+    b.reduce(ones, &[0], ReduceKind::Sum)
+}
+
+/// `x` with zeros where `keep` is false.
+pub(super) fn mask(b: &mut Builder, keep: Value, x: Value) -> Value {
+    let z = b.splat(x, 0.0);
+    b.select(keep, x, z)
+}
+
+/// PyTorch's legacy type name in messages (`torch.LongTensor`).
+pub(super) fn tensor_type_name(d: DType) -> String {
+    format!("torch.{}Tensor", torch_name(d))
 }
