@@ -170,6 +170,57 @@ class Llama(nn.Module):
             x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
         return self.head(self.norm(x)), new_cache
 
+    def forward_static(self, ids, start, ks, vs):
+        """``forward`` with a static cache: ``ks``/``vs`` per layer (batch, kv_heads, max_len,
+        head_dim), written in place at positions ``start + [0, t)`` (``start`` a 1-element
+        int64 tensor, so that every decode step has the same shapes and one compiled graph
+        serves them all); attention masks the positions not written yet. Returns the logits."""
+        b, t = ids.shape
+        pos = start + torch.arange(t, device=ids.device)
+        freqs = pos[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos(), emb.sin()
+        keys = torch.arange(ks[0].shape[2], device=ids.device)
+        mask = keys[None, :] <= pos[:, None]
+        x = self.embed(ids)
+        rep = self.heads // self.kv_heads
+        for i, layer in enumerate(self.layers):
+            h = layer.norm1(x)
+            q = layer.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+            k = layer.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            v = layer.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            ks[i].index_copy_(2, pos, k)
+            vs[i].index_copy_(2, pos, v)
+            kr = ks[i].repeat_interleave(rep, dim=1)
+            vr = vs[i].repeat_interleave(rep, dim=1)
+            a = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
+            x = x + layer.o(a.transpose(1, 2).reshape(b, t, -1))
+            h = layer.norm2(x)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def generate_static(self, ids, new_tokens, step=None):
+        """``generate`` with a static cache of the final length; ``step`` runs
+        ``forward_static`` (a ``torch.compile``d one, say)."""
+        step = step or self.forward_static
+        b, t = ids.shape
+        shape = (b, self.kv_heads, t + new_tokens, self.head_dim)
+        like = self.embed.weight
+        ks = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in self.layers]
+        vs = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in self.layers]
+        start = torch.zeros(1, dtype=torch.long, device=ids.device)
+        logits = step(ids, start, ks, vs)
+        out = [ids]
+        start = start + t
+        for _ in range(new_tokens):
+            nxt = logits[:, -1:].argmax(-1)
+            out.append(nxt)
+            logits = step(nxt, start, ks, vs)
+            start = start + 1
+        return torch.cat(out, dim=1)
+
     def loss(self, ids, targets):
         logits, _ = self(ids)
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

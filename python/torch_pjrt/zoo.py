@@ -3,6 +3,7 @@
     python -m torch_pjrt.zoo                      # every model, Strict, float32
     python -m torch_pjrt.zoo --sample ci --mode defer_and_fuse
     python -m torch_pjrt.zoo --suite timm --dtype bfloat16 --json zoo.json
+    python -m torch_pjrt.zoo --sample train --task train --mode compile   # the training tier
 
 Models are built offline from their configs with random weights (no download). Each runs on
 the CPU (twice: a model whose two CPU runs differ is "nondeterministic") and on tpu from the
@@ -68,6 +69,18 @@ CI_SAMPLE = [
     )),
 ]
 
+
+# The training tier (`--sample train`): 53 Hugging Face architectures (the CI sample's, more
+# mixture-of-experts, seq2seq, audio and vision ones) and the CI sample's timm/torchvision
+# classifiers, segmenters and video model (detection models need targets to train).
+TRAIN_TIER = [
+    *(n for n in CI_SAMPLE if n.startswith("hf")),
+    *(f"hf-causal:{t}" for t in ("mixtral", "olmoe", "deepseek_v4", "gpt_oss", "phi3",
+                                 "gemma2", "qwen3_next")),
+    *(f"hf-s2s:{t}" for t in ("marian", "pegasus", "mbart")),
+    *(f"hf:{t}" for t in ("hubert", "wavlm", "segformer", "mobilevit", "deit")),
+    *(n for n in CI_SAMPLE if not n.startswith("hf") and "rcnn" not in n),
+]
 
 # ------------------------------------------------------------------------------------------
 # Building models
@@ -728,7 +741,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m torch_pjrt.zoo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default="hf,timm,tv", help="comma list of hf, timm, tv")
-    p.add_argument("--sample", choices=["all", "ci"], default="all")
+    p.add_argument("--sample", choices=["all", "ci", "train"], default="all")
     p.add_argument("--models", nargs="*", help="zoo names (hf:llama, timm:resnet18, tv:vgg11)")
     p.add_argument("--filter", default="", help="only names containing this")
     p.add_argument("--mode", choices=sorted(MODES), default="strict")
@@ -754,6 +767,8 @@ def main(argv=None):
         names = args.models
     elif args.sample == "ci":
         names = CI_SAMPLE
+    elif args.sample == "train":
+        names = TRAIN_TIER
     else:
         names = all_models(tuple(args.suite.split(",")))
     names = [n for n in names if args.filter in n]
