@@ -618,6 +618,29 @@ def test_grouped_matmul_graph_is_one_program(mode):
     assert c.get("graph_breaks", 0) == 0 and c["compiled_graphs"] == 2, c
 
 
+def test_static_cache_decode_compiles_once(mode):
+    """bench/generate.py's compiled configuration: greedy decoding with a static key/value
+    cache written in place at a position tensor gives the CPU's tokens from two graphs
+    (prefill and step), not one per token, and later generations compile nothing."""
+    torch.manual_seed(0)
+    cpu = models.Llama(dim=32, heads=4, kv_heads=2, hidden=64).eval()
+    ids = torch.randint(0, 256, (2, 5))
+    want = cpu.generate(ids, 6)
+    m = copy.deepcopy(cpu).to("tpu")
+    step = torch.compile(m.forward_static, backend="tpu")
+    assert torch.equal(m.generate_static(ids.to("tpu"), 6, step=step).cpu(), want)
+    c = compile_counters()
+    assert c["compiled_graphs"] == 2 and c.get("dynamo_graph_breaks", 0) == 0, c
+    # In DeferAndFuse the second call compiles its pending graphs once more: the first call
+    # captured the two graphs (run op by op), the second records their replays into the
+    # pending graph. From then on nothing compiles.
+    for _ in range(2):
+        before = torch_pjrt.metrics()["compilations"]
+        assert torch.equal(m.generate_static(ids.to("tpu"), 6, step=step).cpu(), want)
+    assert torch_pjrt.metrics()["compilations"] == before
+    assert compile_counters()["compiled_graphs"] == 2
+
+
 # ---------------------------------------------------------------------------
 # Dynamic shapes
 # ---------------------------------------------------------------------------
