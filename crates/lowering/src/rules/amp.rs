@@ -36,13 +36,7 @@ fn non_finite_check_and_unscale(c: &mut Ctx) -> LResult<Vec<Out>> {
     let inv = one_element(c, "inv_scale", "inv_scale", DType::F32, "a float")?;
     let grads: Vec<TensorArg> = c.args.tensors("self")?.into_iter().cloned().collect();
     if let Some(g) = grads.iter().find(|g| !g.dtype.is_float()) {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "\"_amp_foreach_non_finite_check_and_unscale_cpu\" not implemented for '{}'",
-                crate::promote::torch_name(g.dtype)
-            ),
-        );
+        return super::not_implemented("_amp_foreach_non_finite_check_and_unscale_cpu", g.dtype);
     }
     let b = &mut *c.b;
     let inv = b.reshape(inv.value, &[]);

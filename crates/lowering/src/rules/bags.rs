@@ -440,10 +440,10 @@ fn segments(c: &mut Ctx, data: &TensorArg) -> LResult<Segments> {
     let what = if is_len { "lengths" } else { "offsets" };
     if !matches!(seg.dtype, DType::I64 | DType::I32) {
         let kernel = format!("_segment_reduce_{what}_cpu_kernel1");
-        return not_implemented(&kernel, seg.dtype);
+        return super::not_implemented(&kernel, seg.dtype);
     }
     if !data.dtype.is_float() {
-        return not_implemented("_segment_reduce_cpu", data.dtype);
+        return super::not_implemented("_segment_reduce_cpu", data.dtype);
     }
     if data.shape.is_empty() || seg.shape.is_empty() || data.shape.len() < seg.shape.len() {
         return decline("segment_reduce: ranks of data and lengths");

@@ -68,10 +68,7 @@ pub(super) fn need_float(op: &str, d: DType) -> LResult<()> {
 /// The dtype dispatch of the CPU kernel `kernel` (float32/float64 and complex only).
 fn need_kernel(kernel: &str, d: DType) -> LResult<()> {
     if !(d.is_float() || d.is_complex()) || is_half(d) {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!("\"{kernel}\" not implemented for '{}'", torch_name(d)),
-        );
+        return super::not_implemented(kernel, d);
     }
     Ok(())
 }

@@ -43,13 +43,7 @@ fn histc(c: &mut Ctx) -> LResult<Vec<Out>> {
         return histc_int(c, &t, bins);
     }
     if !t.dtype.is_float() {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "\"histogram_cpu\" not implemented for '{}'",
-                torch_name(t.dtype)
-            ),
-        );
+        return super::not_implemented("histogram_cpu", t.dtype);
     }
     if bins <= 0 {
         return user_err(
@@ -465,13 +459,7 @@ fn linspace_values(b: &mut Builder, lo: Value, hi: Value, steps: i64) -> Value {
 fn histogram(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = input(c)?;
     if !t.dtype.is_float() {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "\"histogramdd\" not implemented for '{}'",
-                torch_name(t.dtype)
-            ),
-        );
+        return super::not_implemented("histogramdd", t.dtype);
     }
     if is_half(t.dtype) {
         return decline("histogram of half tensors");

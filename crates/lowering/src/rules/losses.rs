@@ -41,7 +41,7 @@ fn expect_dtype(t: &TensorArg, want: DType) -> LResult<()> {
 fn float_kernel(x: &TensorArg, kernel: &str) -> LResult<()> {
     match x.dtype {
         DType::F32 | DType::F64 => Ok(()),
-        d => not_implemented(kernel, d),
+        d => super::not_implemented(kernel, d),
     }
 }
 

@@ -364,6 +364,18 @@ pub fn opmath(d: DType) -> DType {
     }
 }
 
+/// PyTorch's error for a kernel `kernel` with no instance for `d`
+/// (`"histogram_cpu" not implemented for 'Int'`).
+pub fn not_implemented<T>(kernel: &str, d: DType) -> LResult<T> {
+    crate::user_err(
+        crate::ErrorKind::NotImplemented,
+        format!(
+            "\"{kernel}\" not implemented for '{}'",
+            crate::promote::torch_name(d)
+        ),
+    )
+}
+
 /// The `self` tensor.
 pub fn input(c: &Ctx) -> LResult<TensorArg> {
     Ok(c.args.tensor("self")?.clone())

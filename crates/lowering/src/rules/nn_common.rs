@@ -5,9 +5,7 @@
 use super::{opmath, promote};
 use crate::promote::torch_name;
 use crate::shape::numel;
-use crate::{
-    decline, user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, TensorArg, TensorType, Value,
-};
+use crate::{decline, Builder, Ctx, DType, LResult, Out, TensorArg, TensorType, Value};
 use stablehlo::{CmpDir, ReduceKind};
 
 pub(super) fn tensor(c: &Ctx, name: &str) -> LResult<TensorArg> {
@@ -190,14 +188,6 @@ pub(super) fn pair(c: &mut Ctx, names: &[&str]) -> LResult<(Vec<Value>, DType, V
     let v = v.into_iter().map(|x| c.b.convert(x, cd)).collect();
     Ok((v, dt, shape))
 }
-/// PyTorch's error for a kernel without an instance for `d`.
-pub(super) fn not_implemented<T>(kernel: &str, d: DType) -> LResult<T> {
-    user_err(
-        ErrorKind::NotImplemented,
-        format!("\"{kernel}\" not implemented for '{}'", torch_name(d)),
-    )
-}
-
 /// The group of each of `n` positions, given the (sorted) start of every group but the
 /// first: `#{s : starts[s] <= i}`. `starts` may be empty.
 pub(super) fn group_of(b: &mut Builder, starts: Value, n: i64) -> Value {

@@ -193,10 +193,7 @@ fn require_float(dt: DType, kernel: &str) -> LResult<()> {
     if dt.is_float() {
         Ok(())
     } else {
-        user_err(
-            ErrorKind::NotImplemented,
-            format!("\"{kernel}\" not implemented for '{}'", torch_name(dt)),
-        )
+        super::not_implemented(kernel, dt)
     }
 }
 

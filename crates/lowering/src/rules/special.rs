@@ -22,14 +22,6 @@ fn map(
     Ok(vec![Out::T(f(c.b, &v))])
 }
 
-/// PyTorch's error for a kernel without an implementation for `dt`.
-fn unsupported<T>(kernel: &str, dt: DType) -> LResult<T> {
-    user_err(
-        ErrorKind::NotImplemented,
-        format!("\"{kernel}\" not implemented for '{}'", torch_name(dt)),
-    )
-}
-
 /// Like `map`, for kernels PyTorch only has for `ok` dtypes (floating, or integral).
 fn map_only(
     c: &mut Ctx,
@@ -40,7 +32,7 @@ fn map_only(
 ) -> LResult<Vec<Out>> {
     let (v, dt, _) = promote(c, names, same)?;
     if !ok(dt) {
-        return unsupported(kernel, dt);
+        return super::not_implemented(kernel, dt);
     }
     Ok(vec![Out::T(f(c.b, &v))])
 }
@@ -104,7 +96,7 @@ fn map_special(
     let (v, dt, _) = promote(c, names, to_float)?;
     if matches!(dt, DType::F16 | DType::BF16) {
         let kernel = format!("{}_cpu", c.op.trim_start_matches("aten::special_"));
-        return unsupported(&kernel, dt);
+        return super::not_implemented(&kernel, dt);
     }
     Ok(vec![Out::T(f(c.b, &v))])
 }
@@ -1646,7 +1638,7 @@ fn glu(c: &mut Ctx) -> LResult<Vec<Out>> {
     let x = c.t("self")?;
     let dt = c.b.dtype(x);
     if !dt.is_float() {
-        return unsupported("glu_cpu", dt);
+        return super::not_implemented("glu_cpu", dt);
     }
     let (a, s, _) = glu_halves(c.b, x, dim)?;
     let sg = c.b.unary("stablehlo.logistic", s);
@@ -1705,7 +1697,7 @@ fn prelu(c: &mut Ctx) -> LResult<Vec<Out>> {
 fn prelu_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let (v, dt, _) = promote(c, &["grad_output", "self", "weight"], same)?;
     if !dt.is_float() {
-        return unsupported("prelu_backward_cpu", dt);
+        return super::not_implemented("prelu_backward_cpu", dt);
     }
     let b = &mut *c.b;
     let (g, x, w) = (v[0], v[1], v[2]);
@@ -1730,7 +1722,7 @@ fn rrelu(c: &mut Ctx) -> LResult<(Value, Value)> {
     let noise = c.t("noise")?;
     let dt = c.b.dtype(x);
     if !dt.is_float() {
-        return unsupported("leaky_relu_cpu", dt);
+        return super::not_implemented("leaky_relu_cpu", dt);
     }
     if !c.args.bool_or("training", false) {
         let b = &mut *c.b;

@@ -156,13 +156,7 @@ fn triangular_solve(c: &mut Ctx) -> LResult<Vec<Out>> {
         );
     }
     if !a.dtype.is_float() && !a.dtype.is_complex() {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "\"triangular_solve_cpu\" not implemented for '{}'",
-                torch_name(a.dtype)
-            ),
-        );
+        return super::not_implemented("triangular_solve_cpu", a.dtype);
     }
     if is_half(a.dtype) {
         return decline("LAPACK ops reject half types");
@@ -246,13 +240,7 @@ fn cholesky_inverse(c: &mut Ctx) -> LResult<Vec<Out>> {
     let f = input(c)?;
     check_square("cholesky_inverse", "A", &f.shape)?;
     if !f.dtype.is_float() {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "\"cholesky_inverse_out_cpu\" not implemented for '{}'",
-                torch_name(f.dtype)
-            ),
-        );
+        return super::not_implemented("cholesky_inverse_out_cpu", f.dtype);
     }
     if is_half(f.dtype) {
         return decline("LAPACK ops reject half types");

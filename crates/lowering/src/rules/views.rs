@@ -471,13 +471,7 @@ fn tri_indices(c: &mut Ctx, lower: bool) -> LResult<Vec<Out>> {
     }
     let dt = factory_dtype(c, DType::I64);
     if !matches!(dt, DType::I32 | DType::I64) {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "\"{name}\" not implemented for '{}'",
-                crate::promote::torch_name(dt)
-            ),
-        );
+        return super::not_implemented(name, dt);
     }
     let (mut rows, mut cols) = (Vec::new(), Vec::new());
     for r in 0..row {
