@@ -3,7 +3,7 @@
 //! logit/xlogy, float bit tricks (signbit, copysign, nextafter), integer shifts and
 //! gcd/lcm, shrinkage activations, glu and prelu (with their backward ops).
 
-use super::{common, opnd, promote, same};
+use super::{common, is_nan, opnd, promote, same, scale};
 use crate::promote::{can_cast, to_float, torch_name};
 use crate::shape::wrap_dim;
 use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, Value};
@@ -139,10 +139,6 @@ fn wide2(
 // Small building blocks
 // ---------------------------------------------------------------------------
 
-fn isnan(b: &mut Builder, x: Value) -> Value {
-    b.compare(x, x, CmpDir::Ne)
-}
-
 fn cmp_k(b: &mut Builder, x: Value, k: f64, dir: CmpDir) -> Value {
     let kv = b.splat(x, k);
     b.compare(x, kv, dir)
@@ -157,11 +153,6 @@ fn select_k(b: &mut Builder, p: Value, k: f64, x: Value) -> Value {
 fn add_k(b: &mut Builder, x: Value, k: f64) -> Value {
     let kv = b.splat(x, k);
     b.add(x, kv)
-}
-
-fn mul_k(b: &mut Builder, x: Value, k: f64) -> Value {
-    let kv = b.splat(x, k);
-    b.mul(x, kv)
 }
 
 /// `sum(coeffs[i] * z^i)` by Horner's rule.
@@ -216,12 +207,12 @@ fn two_sum(b: &mut Builder, a: Value, c: Value) -> (Value, Value) {
 fn quarter_square(b: &mut Builder, x: Value) -> (Value, Value) {
     if b.dtype(x) != DType::F32 {
         let y = b.mul(x, x);
-        let y = mul_k(b, y, 0.25);
+        let y = scale(b, y, 0.25);
         let z = b.splat(y, 0.0);
         return (y, z);
     }
     let (p, e) = two_prod(b, x, x);
-    (mul_k(b, p, 0.25), mul_k(b, e, 0.25))
+    (scale(b, p, 0.25), scale(b, e, 0.25))
 }
 
 /// `sum(coeffs[i] * z^i)` at z = zh + zl, by compensated Horner for float32 (coefficients
@@ -344,12 +335,12 @@ fn trigamma(b: &mut Builder, x: Value) -> Value {
     let iz2 = b.mul(iz, iz);
     let tail = horner(b, iz2, &[1.0 / 6.0, -1.0 / 30.0, 1.0 / 42.0, -1.0 / 30.0]);
     let tail = b.mul(tail, iz2);
-    let h = mul_k(b, iz, 0.5);
+    let h = scale(b, iz, 0.5);
     let tail = b.add(tail, h);
     let tail = b.add(tail, one);
     let tail = b.mul(tail, iz);
     let t = b.add(acc, tail);
-    let px = mul_k(b, x, std::f64::consts::PI);
+    let px = scale(b, x, std::f64::consts::PI);
     let sn = b.unary("stablehlo.sine", px);
     let s2 = b.mul(sn, sn);
     let pi2 = b.splat(x, std::f64::consts::PI * std::f64::consts::PI);
@@ -429,7 +420,7 @@ fn zeta(b: &mut Builder, x: Value, q: Value) -> Value {
     let t = b.mul(bw, w);
     let t = b.div(t, xm1);
     s = b.add(s, t);
-    let h = mul_k(b, bw, 0.5);
+    let h = scale(b, bw, 0.5);
     s = b.sub(s, h);
     // sum_j B_2j/(2j)! * x (x+1) ... (x+2j-2) * w^(-x-2j+1)
     let one = b.splat(w, 1.0);
@@ -447,7 +438,7 @@ fn zeta(b: &mut Builder, x: Value, q: Value) -> Value {
             tj = b.mul(tj, k1);
             tj = b.mul(tj, k2);
         }
-        let t = mul_k(b, tj, *cj);
+        let t = scale(b, tj, *cj);
         s = b.add(s, t);
     }
     // Domain, in PyTorch's order of checks.
@@ -480,7 +471,7 @@ fn polygamma(c: &mut Ctx) -> LResult<Vec<Out>> {
                 let fact: f64 = (1..=n).map(|k| k as f64).product();
                 let s = b.splat(x, (n + 1) as f64);
                 let z = zeta(b, s, x);
-                mul_k(b, z, if n % 2 == 1 { fact } else { -fact })
+                scale(b, z, if n % 2 == 1 { fact } else { -fact })
             }
         })
     })
@@ -538,7 +529,7 @@ fn bessel_i(b: &mut Builder, x: Value, nu: u32, scaled: bool) -> Value {
     let (yh, yl) = quarter_square(b, ax);
     let mut small = horner_exact(b, yh, yl, &series);
     if nu == 1 {
-        let h = mul_k(b, ax, 0.5);
+        let h = scale(b, ax, 0.5);
         small = b.mul(small, h);
     }
     // Asymptotic expansion: exp(-x) I_nu(x) ~ sum a_k / x^k / sqrt(2 pi x).
@@ -552,7 +543,7 @@ fn bessel_i(b: &mut Builder, x: Value, nu: u32, scaled: bool) -> Value {
     let one = b.splat(ax, 1.0);
     let z = b.div(one, axl);
     let s = horner(b, z, &asym);
-    let r = mul_k(b, axl, 2.0 * std::f64::consts::PI);
+    let r = scale(b, axl, 2.0 * std::f64::consts::PI);
     let r = b.rsqrt(r);
     let large_e = b.mul(s, r);
     let use_small = cmp_k(b, ax, BESSEL_I_SPLIT, CmpDir::Le);
@@ -563,7 +554,7 @@ fn bessel_i(b: &mut Builder, x: Value, nu: u32, scaled: bool) -> Value {
         b.select(use_small, small_e, large_e)
     } else {
         // exp(|x|/2) twice: I_nu stays finite a little beyond where exp(|x|) overflows.
-        let h = mul_k(b, axl, 0.5);
+        let h = scale(b, axl, 0.5);
         let e = b.exp(h);
         let l = b.mul(large_e, e);
         // At |x| = inf this is 0 * inf = NaN, as PyTorch's kernels give.
@@ -599,7 +590,7 @@ fn hankel_jy(b: &mut Builder, x: Value, nu: u32) -> (Value, Value) {
     let c = b.unary("stablehlo.cosine", chi);
     let s = b.unary("stablehlo.sine", chi);
     let r = b.div(one, x);
-    let r = mul_k(b, r, 2.0 / std::f64::consts::PI);
+    let r = scale(b, r, 2.0 / std::f64::consts::PI);
     let r = b.sqrt(r);
     let pc_ = b.mul(p, c);
     let qs = b.mul(q, s);
@@ -617,7 +608,7 @@ fn bessel_j(b: &mut Builder, x: Value, nu: u32) -> Value {
     let c = bessel_series(nu, 24, true, |_| 1.0);
     let mut small = horner_exact(b, yh, yl, &c);
     if nu == 1 {
-        let h = mul_k(b, ax, 0.5);
+        let h = scale(b, ax, 0.5);
         small = b.mul(small, h);
     }
     let big = b.splat(ax, BESSEL_JY_SPLIT);
@@ -647,20 +638,20 @@ fn bessel_y(b: &mut Builder, x: Value, nu: u32) -> Value {
     let (yh, yl) = quarter_square(b, xs);
     let c = bessel_series(nu, 24, true, |k| psi_int(k + 1) + psi_int(nu + k + 1));
     let mut sum = horner_exact(b, yh, yl, &c);
-    let h = mul_k(b, xs, 0.5);
+    let h = scale(b, xs, 0.5);
     if nu == 1 {
         sum = b.mul(sum, h);
     }
     let j = bessel_j(b, xs, nu);
     let l = b.log(h);
     let lj = b.mul(l, j);
-    let lj = mul_k(b, lj, 2.0 / std::f64::consts::PI);
-    let sum = mul_k(b, sum, 1.0 / std::f64::consts::PI);
+    let lj = scale(b, lj, 2.0 / std::f64::consts::PI);
+    let sum = scale(b, sum, 1.0 / std::f64::consts::PI);
     let mut small = b.sub(lj, sum);
     if nu == 1 {
         let one = b.splat(x, 1.0);
         let inv = b.div(one, xs);
-        let inv = mul_k(b, inv, 2.0 / std::f64::consts::PI);
+        let inv = scale(b, inv, 2.0 / std::f64::consts::PI);
         small = b.sub(small, inv);
     }
     let xl = b.max(x, big);
@@ -686,14 +677,14 @@ fn bessel_k(b: &mut Builder, x: Value, nu: u32, scaled: bool) -> Value {
     let split = b.splat(x, BESSEL_K_SPLIT);
     let xs = b.min(x, split);
     let y = b.mul(xs, xs);
-    let y = mul_k(b, y, 0.25);
+    let y = scale(b, y, 0.25);
     let c = bessel_series(nu, 16, false, |k| psi_int(k + 1) + psi_int(nu + k + 1));
     let mut sum = horner(b, y, &c);
-    let h = mul_k(b, xs, 0.5);
+    let h = scale(b, xs, 0.5);
     if nu == 1 {
         sum = b.mul(sum, h);
     }
-    let sum = mul_k(b, sum, if nu == 0 { 0.5 } else { -0.5 });
+    let sum = scale(b, sum, if nu == 0 { 0.5 } else { -0.5 });
     let i = bessel_i(b, xs, nu, false);
     let l = b.log(h);
     let li = b.mul(l, i);
@@ -715,13 +706,13 @@ fn bessel_k(b: &mut Builder, x: Value, nu: u32, scaled: bool) -> Value {
     // trapezoidal rule (exponentially accurate here), with steps scaled as 1/sqrt(x).
     let xl = b.max(x, split);
     let r = b.rsqrt(xl);
-    let h = mul_k(b, r, 0.5);
+    let h = scale(b, r, 0.5);
     let mut acc = b.splat(x, 0.5); // the t = 0 node, half weight
     for j in 1..=16 {
-        let t = mul_k(b, h, j as f64 * 0.5);
+        let t = scale(b, h, j as f64 * 0.5);
         let sh = b.unary("chlo.sinh", t);
         let cm1 = b.mul(sh, sh);
-        let cm1 = mul_k(b, cm1, 2.0); // cosh(jh) - 1
+        let cm1 = scale(b, cm1, 2.0); // cosh(jh) - 1
         let e = b.mul(xl, cm1);
         let e = b.neg(e);
         let mut v = b.exp(e);
@@ -769,8 +760,8 @@ fn airy_ai(b: &mut Builder, x: Value) -> Value {
     let f = horner(b, x3, &fc);
     let g = horner(b, x3, &gc);
     let g = b.mul(g, xs);
-    let f = mul_k(b, f, AI0);
-    let g = mul_k(b, g, DAI0);
+    let f = scale(b, f, AI0);
+    let g = scale(b, g, DAI0);
     let small = b.sub(f, g);
     // u_k of the asymptotic expansions in zeta = (2/3) |x|^(3/2).
     let mut u = vec![1.0];
@@ -783,11 +774,11 @@ fn airy_ai(b: &mut Builder, x: Value) -> Value {
     let axl = b.max(ax, lim);
     let sq = b.sqrt(axl);
     let zeta = b.mul(axl, sq);
-    let zeta = mul_k(b, zeta, 2.0 / 3.0);
+    let zeta = scale(b, zeta, 2.0 / 3.0);
     let one = b.splat(x, 1.0);
     let iz = b.div(one, zeta);
     let q4 = b.sqrt(sq); // |x|^(1/4)
-    let norm = mul_k(b, q4, std::f64::consts::PI.sqrt());
+    let norm = scale(b, q4, std::f64::consts::PI.sqrt());
     let norm = b.div(one, norm);
     // x > 0: exp(-zeta) / (2 sqrt(pi) x^(1/4)) sum (-1)^k u_k / zeta^k
     let alt: Vec<f64> = u
@@ -800,7 +791,7 @@ fn airy_ai(b: &mut Builder, x: Value) -> Value {
     let e = b.exp(nz);
     let pos = b.mul(s, e);
     let pos = b.mul(pos, norm);
-    let pos = mul_k(b, pos, 0.5);
+    let pos = scale(b, pos, 0.5);
     // x < 0: (sin(zeta + pi/4) P - cos(zeta + pi/4) Q) / (sqrt(pi) |x|^(1/4)), with
     // P = sum (-1)^k u_2k / zeta^2k and Q = sum (-1)^k u_2k+1 / zeta^(2k+1).
     let sgn = |k: usize| if k.is_multiple_of(2) { 1.0 } else { -1.0 };
@@ -913,7 +904,7 @@ fn poly_step(b: &mut Builder, kind: Poly, x: Value, m: Value, p: Value, q: Value
 fn cheb_special(b: &mut Builder, kind: u8, y: Value, n: Value) -> (Value, Value) {
     let one = b.splat(y, 1.0);
     let pos = cmp_k(b, y, 0.0, CmpDir::Gt);
-    let half = mul_k(b, n, 0.5);
+    let half = scale(b, n, 0.5);
     let fl = b.floor(half);
     let even = b.compare(half, fl, CmpDir::Eq);
     let n1 = add_k(b, n, 1.0);
@@ -947,7 +938,7 @@ fn cheb_special(b: &mut Builder, kind: u8, y: Value, n: Value) -> (Value, Value)
         2 => {
             let e = alt(b, n21);
             let e = b.select(pos, one, e);
-            let h = mul_k(b, th, 0.5);
+            let h = scale(b, th, 0.5);
             let sh = b.unary("stablehlo.sine", h);
             let ch = b.unary("stablehlo.cosine", h);
             let nh = add_k(b, n, 0.5);
@@ -961,7 +952,7 @@ fn cheb_special(b: &mut Builder, kind: u8, y: Value, n: Value) -> (Value, Value)
         _ => {
             let e = alt(b, one);
             let e = b.select(pos, n21, e);
-            let h = mul_k(b, th, 0.5);
+            let h = scale(b, th, 0.5);
             let sh = b.unary("stablehlo.sine", h);
             let ch = b.unary("stablehlo.cosine", h);
             let nh = add_k(b, n, 0.5);
@@ -1096,7 +1087,7 @@ fn poly_values(b: &mut Builder, kind: Poly, x: Value, n: Value) -> Value {
         Poly::P => {
             let at1 = cmp_k(b, ay, 1.0, CmpDir::Eq);
             let pos = cmp_k(b, y, 0.0, CmpDir::Gt);
-            let half = mul_k(b, n, 0.5);
+            let half = scale(b, n, 0.5);
             let fl = b.floor(half);
             let even = b.compare(half, fl, CmpDir::Eq);
             let plus = b.or(pos, even);
@@ -1173,10 +1164,10 @@ fn erfcx(b: &mut Builder, x: Value) -> Value {
     // erfcx(-x) = 2 exp(x^2) - erfcx(x)
     let x2 = b.mul(x, x);
     let e = b.exp(x2);
-    let e2 = mul_k(b, e, 2.0);
+    let e2 = scale(b, e, 2.0);
     let negv = b.sub(e2, pos);
     let nonneg = cmp_k(b, x, 0.0, CmpDir::Ge);
-    let nan = isnan(b, x);
+    let nan = is_nan(b, x);
     let keep = b.or(nonneg, nan);
     b.select(keep, pos, negv)
 }
@@ -1202,7 +1193,7 @@ fn erfinv(b: &mut Builder, x: Value) -> Value {
     let tail = b.sub(omx, ec);
     let small = cmp_k(b, ay, 1.0, CmpDir::Lt);
     let d = b.select(small, central, tail);
-    let slope = mul_k(b, g, 2.0 * FRAC_1_SQRT_PI);
+    let slope = scale(b, g, 2.0 * FRAC_1_SQRT_PI);
     let step = b.div(d, slope);
     let ay1 = b.sub(ay, step);
     let y1 = copysign(b, ay1, x);
@@ -1212,27 +1203,27 @@ fn erfinv(b: &mut Builder, x: Value) -> Value {
 }
 
 fn log_ndtr(b: &mut Builder, x: Value) -> Value {
-    let t = mul_k(b, x, std::f64::consts::FRAC_1_SQRT_2);
+    let t = scale(b, x, std::f64::consts::FRAC_1_SQRT_2);
     // Far left tail: log(erfcx(-t) / 2) - t^2.
     let nt = b.neg(t);
     let ex = erfcx(b, nt);
-    let ex = mul_k(b, ex, 0.5);
+    let ex = scale(b, ex, 0.5);
     let l = b.log(ex);
     let t2 = b.mul(t, t);
     let tail = b.sub(l, t2);
     // Elsewhere: log1p(-erfc(t) / 2).
     let ec = b.unary("chlo.erfc", t);
-    let ec = mul_k(b, ec, -0.5);
+    let ec = scale(b, ec, -0.5);
     let body = b.unary("stablehlo.log_plus_one", ec);
     let left = cmp_k(b, x, -1.0, CmpDir::Lt);
     b.select(left, tail, body)
 }
 
 fn ndtri(b: &mut Builder, p: Value) -> Value {
-    let y = mul_k(b, p, 2.0);
+    let y = scale(b, p, 2.0);
     let y = add_k(b, y, -1.0);
     let e = b.unary("chlo.erf_inv", y);
-    mul_k(b, e, std::f64::consts::SQRT_2)
+    scale(b, e, std::f64::consts::SQRT_2)
 }
 
 // ---------------------------------------------------------------------------
@@ -1240,7 +1231,7 @@ fn ndtri(b: &mut Builder, p: Value) -> Value {
 // ---------------------------------------------------------------------------
 
 fn sinc(b: &mut Builder, x: Value) -> Value {
-    let px = mul_k(b, x, std::f64::consts::PI);
+    let px = scale(b, x, std::f64::consts::PI);
     let s = b.unary("stablehlo.sine", px);
     let q = b.div(s, px);
     let zero = cmp_k(b, x, 0.0, CmpDir::Eq);
@@ -1263,7 +1254,7 @@ fn xlog(b: &mut Builder, x: Value, y: Value, log_fn: &str) -> Value {
     let p = b.mul(x, l);
     let zero = cmp_k(b, x, 0.0, CmpDir::Eq);
     let p = select_k(b, zero, 0.0, p);
-    let nan = isnan(b, y);
+    let nan = is_nan(b, y);
     select_k(b, nan, f64::NAN, p)
 }
 
@@ -1293,10 +1284,10 @@ fn logaddexp(b: &mut Builder, x: Value, y: Value, base2: bool) -> Value {
     let d = b.abs(d);
     let nd = b.neg(d);
     let r = if base2 {
-        let e = mul_k(b, nd, std::f64::consts::LN_2);
+        let e = scale(b, nd, std::f64::consts::LN_2);
         let e = b.exp(e);
         let l = b.unary("stablehlo.log_plus_one", e);
-        let l = mul_k(b, l, std::f64::consts::LOG2_E);
+        let l = scale(b, l, std::f64::consts::LOG2_E);
         b.add(m, l)
     } else {
         let e = b.exp(nd);
@@ -1324,8 +1315,8 @@ fn fminmax(b: &mut Builder, x: Value, y: Value, max: bool) -> Value {
     if !b.dtype(x).is_float() {
         return r;
     }
-    let xn = isnan(b, x);
-    let yn = isnan(b, y);
+    let xn = is_nan(b, x);
+    let yn = is_nan(b, y);
     let r = b.select(yn, x, r);
     b.select(xn, y, r)
 }
@@ -1345,7 +1336,7 @@ fn nan_to_num(c: &mut Ctx) -> LResult<Vec<Out>> {
         let nv = float_full(b, x, nan);
         let pi = cmp_k(b, x, f64::INFINITY, CmpDir::Eq);
         let ni = cmp_k(b, x, f64::NEG_INFINITY, CmpDir::Eq);
-        let n = isnan(b, x);
+        let n = is_nan(b, x);
         let r = b.select(pi, hi, x);
         let r = b.select(ni, lo, r);
         b.select(n, nv, r)
@@ -1572,7 +1563,7 @@ fn softshrink(c: &mut Ctx) -> LResult<Vec<Out>> {
         let lo = cmp_k(b, x, -l, CmpDir::Lt);
         let xm = add_k(b, x, -l);
         let xp = add_k(b, x, l);
-        let z = mul_k(b, x, 0.0); // NaN stays NaN, signs of zero as PyTorch
+        let z = scale(b, x, 0.0); // NaN stays NaN, signs of zero as PyTorch
         let r = b.select(lo, xp, z);
         b.select(hi, xm, r)
     })
@@ -1727,7 +1718,7 @@ fn rrelu(c: &mut Ctx) -> LResult<(Value, Value)> {
     if !c.args.bool_or("training", false) {
         let b = &mut *c.b;
         let pos = cmp_k(b, x, 0.0, CmpDir::Gt);
-        let sx = mul_k(b, x, (lower + upper) / 2.0);
+        let sx = scale(b, x, (lower + upper) / 2.0);
         return Ok((b.select(pos, x, sx), noise));
     }
     let shape = c.b.shape(x);
@@ -1742,7 +1733,7 @@ fn rrelu(c: &mut Ctx) -> LResult<(Value, Value)> {
     };
     let u = super::random::uniform(c, &shape, cdt);
     let b = &mut *c.b;
-    let r = mul_k(b, u, upper - lower);
+    let r = scale(b, u, upper - lower);
     let lo = b.splat(r, lower);
     let r = b.add(r, lo);
     let xc = b.convert(x, cdt);
@@ -1843,7 +1834,7 @@ fn angle(b: &mut Builder, x: Value) -> Value {
     let neg = cmp_k(b, x, 0.0, CmpDir::Lt);
     let z = b.splat(x, 0.0);
     let r = select_k(b, neg, std::f64::consts::PI, z);
-    let nan = isnan(b, x);
+    let nan = is_nan(b, x);
     b.select(nan, x, r)
 }
 
@@ -1856,8 +1847,8 @@ fn igamma(b: &mut Builder, a: Value, x: Value, upper: bool) -> Value {
     const MAX_ITERS: f64 = 10000.0;
     // Domain and special values (PyTorch's order of checks).
     let nan_in = {
-        let an = isnan(b, a);
-        let xn = isnan(b, x);
+        let an = is_nan(b, a);
+        let xn = is_nan(b, x);
         b.or(an, xn)
     };
     let neg = {
@@ -1915,7 +1906,7 @@ fn igamma(b: &mut Builder, a: Value, x: Value, upper: bool) -> Value {
             let sum1 = b.add(sum, term1);
             let at = b.abs(term1);
             let asum = b.abs(sum1);
-            let lim = mul_k(b, asum, EPS);
+            let lim = scale(b, asum, EPS);
             let s_done = b.compare(at, lim, CmpDir::Lt);
             // Continued fraction: an = -n (n - a), bb += 2.
             let nma = b.sub(n, a_);
@@ -1977,9 +1968,9 @@ fn igamma(b: &mut Builder, a: Value, x: Value, upper: bool) -> Value {
     );
     let st = b.mul(st, ia);
     let main = b.sub(main, st);
-    let la = mul_k(b, al, 1.0 / (2.0 * std::f64::consts::PI));
+    let la = scale(b, al, 1.0 / (2.0 * std::f64::consts::PI));
     let la = b.log(la);
-    let la = mul_k(b, la, 0.5);
+    let la = scale(b, la, 0.5);
     let main = b.add(main, la);
     let big = cmp_k(b, a_, 10.0, CmpDir::Ge);
     let lp = b.select(big, main, direct);
