@@ -539,6 +539,30 @@ pw_err* pw_exe_execute(const void* a, void* exe, void* const* in, size_t num_arg
   return CALL(PJRT_LoadedExecutable_Execute, args);
 }
 
+/* One run of a replicated executable on each of its `num_devices` devices: `in` holds
+ * num_devices lists of num_args buffers back to back, `outs` num_devices lists of the
+ * outputs (filled by PJRT). No donation. */
+pw_err* pw_exe_execute_replicated(const void* a, void* exe, void* const* in, size_t num_devices,
+                                  size_t num_args, void** outs, size_t num_outputs) {
+  API;
+  if (num_devices == 0 || num_devices > 64) return mk_err(3, "1 to 64 devices");
+  ARGS(PJRT_ExecuteOptions, opts);
+  PJRT_Buffer* const* arg_lists[64];
+  PJRT_Buffer** out_lists[64];
+  for (size_t d = 0; d < num_devices; d++) {
+    arg_lists[d] = (PJRT_Buffer* const*)(in + d * num_args);
+    out_lists[d] = (PJRT_Buffer**)(outs + d * num_outputs);
+  }
+  ARGS(PJRT_LoadedExecutable_Execute_Args, args);
+  args.executable = (PJRT_LoadedExecutable*)exe;
+  args.options = &opts;
+  args.argument_lists = arg_lists;
+  args.num_devices = num_devices;
+  args.num_args = num_args;
+  args.output_lists = out_lists;
+  return CALL(PJRT_LoadedExecutable_Execute, args);
+}
+
 static pw_err* copy_out(const char* s, size_t n, char** out, size_t* out_n) {
   if (!(*out = (char*)malloc(n ? n : 1))) return mk_err(8, "out of memory");
   if (n) memcpy(*out, s, n);

@@ -64,6 +64,9 @@ pw_err* pw_exe_info(const void* api, void* exe, size_t* num_outputs, void* const
 /* Inputs the program aliases to outputs are donated, except the `num_keep` indices in `keep`. */
 pw_err* pw_exe_execute(const void* api, void* exe, void* const* args, size_t num_args,
                        void** outs, const int64_t* keep, size_t num_keep);
+pw_err* pw_exe_execute_replicated(const void* api, void* exe, void* const* in,
+                                  size_t num_devices, size_t num_args, void** outs,
+                                  size_t num_outputs);
 pw_err* pw_exe_serialize(const void* api, void* exe, char** bytes, size_t* n);
 pw_err* pw_exe_fingerprint(const void* api, void* exe, char** s, size_t* n);
 

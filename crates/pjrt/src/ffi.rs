@@ -51,6 +51,7 @@ extern "C" {
     pub fn pw_exe_destroy(api: Api, exe: Handle) -> Err;
     pub fn pw_exe_info(api: Api, exe: Handle, num_outputs: *mut usize, devs: *mut *const Handle, num_devs: *mut usize) -> Err;
     pub fn pw_exe_execute(api: Api, exe: Handle, args: *const Handle, num_args: usize, outs: *mut Handle, keep: *const i64, num_keep: usize) -> Err;
+    pub fn pw_exe_execute_replicated(api: Api, exe: Handle, args: *const Handle, num_devices: usize, num_args: usize, outs: *mut Handle, num_outputs: usize) -> Err;
     pub fn pw_exe_serialize(api: Api, exe: Handle, bytes: *mut *mut c_char, n: *mut usize) -> Err;
     pub fn pw_exe_fingerprint(api: Api, exe: Handle, s: *mut *mut c_char, n: *mut usize) -> Err;
 }

@@ -443,7 +443,37 @@ impl Client {
                 &mut raw,
             )
         })?;
-        Executable::from_raw(c, raw, device)
+        Executable::from_raw(c, raw, &[device])
+    }
+
+    /// Compiles `mlir` with one replica on each of `devices` (in replica order): one program
+    /// whose collectives (`stablehlo.all_reduce` with `replica_groups`, ...) run across
+    /// them. [`Executable::execute_replicated`] runs it.
+    pub fn compile_replicated(&self, mlir: &str, devices: &[usize]) -> Result<Executable> {
+        let c = &self.inner;
+        if devices.is_empty() {
+            return Err(invalid("a replicated program needs at least one device"));
+        }
+        let ids = devices
+            .iter()
+            .map(|d| c.device(*d).map(|_| c.device_ids[*d]))
+            .collect::<Result<Vec<i64>>>()?;
+        let opts = options_proto(-1, &ids, &c.overrides, &[]);
+        let (code, copts) = (mlir.as_ptr().cast(), opts.as_ptr().cast());
+        let mut raw: ffi::Handle = ptr::null_mut();
+        // SAFETY: live client; inputs are valid for their lengths during the call.
+        check(unsafe {
+            ffi::pw_compile(
+                c.api(),
+                c.raw,
+                code,
+                mlir.len(),
+                copts,
+                opts.len(),
+                &mut raw,
+            )
+        })?;
+        Executable::from_raw(c, raw, devices)
     }
 
     /// The serialized compile options [`Client::compile`] passes for `device` (part of
@@ -480,7 +510,7 @@ impl Client {
         check(unsafe {
             ffi::pw_deserialize(c.api(), c.raw, b, bytes.len(), o, opts.len(), &mut raw)
         })?;
-        Executable::from_raw(c, raw, device)
+        Executable::from_raw(c, raw, &[device])
     }
 
     /// Copies dense row-major `data` to `device`; `data` is free again on return.
@@ -561,17 +591,31 @@ fn compile_options(
     client: &[(String, OptionValue)],
     extra: &[(String, OptionValue)],
 ) -> Vec<u8> {
+    options_proto(device_ordinal as i64, &[device_id], client, extra)
+}
+
+/// `compile_options` for one replica per device of `device_ids` (num_replicas and the
+/// assignment's replica_count are their number; device_ordinal -1: no single device).
+fn options_proto(
+    device_ordinal: i64,
+    device_ids: &[i64],
+    client: &[(String, OptionValue)],
+    extra: &[(String, OptionValue)],
+) -> Vec<u8> {
     // A map: the last entry of a name wins, so `extra` overrides the client's.
     let overrides: Vec<&(String, OptionValue)> = client.iter().chain(extra).collect();
+    let replicas = device_ids.len() as i64;
     let mut computation_device = vec![];
-    put_int(&mut computation_device, 1, device_id);
+    for id in device_ids {
+        put_int(&mut computation_device, 1, *id);
+    }
     let mut assignment = vec![];
-    put_int(&mut assignment, 1, 1);
+    put_int(&mut assignment, 1, replicas);
     put_int(&mut assignment, 2, 1);
     put_bytes(&mut assignment, 3, &computation_device);
     let mut build = vec![];
-    put_int(&mut build, 1, device_ordinal as i64);
-    put_int(&mut build, 4, 1);
+    put_int(&mut build, 1, device_ordinal);
+    put_int(&mut build, 4, replicas);
     put_int(&mut build, 5, 1);
     put_bytes(&mut build, 9, &assignment);
     let mut opts = vec![];
@@ -774,7 +818,9 @@ pub struct Executable {
     client: Arc<ClientInner>,
     raw: ffi::Handle,
     num_outputs: usize,
+    /// The device of replica 0 (the only one unless `compile_replicated`).
     device: usize,
+    replicas: usize,
 }
 
 // SAFETY: PJRT_LoadedExecutable is thread-safe (concurrent Execute is allowed).
@@ -803,13 +849,18 @@ impl Drop for Executable {
 }
 
 impl Executable {
-    /// Takes ownership of `raw` and checks that it is loaded on exactly `device`.
-    fn from_raw(client: &Arc<ClientInner>, raw: ffi::Handle, device: usize) -> Result<Executable> {
+    /// Takes ownership of `raw` and checks that it is loaded on exactly `devices`.
+    fn from_raw(
+        client: &Arc<ClientInner>,
+        raw: ffi::Handle,
+        devices: &[usize],
+    ) -> Result<Executable> {
         let mut e = Executable {
             client: client.clone(),
             raw,
             num_outputs: 0,
-            device,
+            device: devices[0],
+            replicas: devices.len(),
         };
         let (mut devs, mut n) = (ptr::null(), 0usize);
         // SAFETY: `raw` is a live executable; the device array lives as long as it does.
@@ -827,8 +878,8 @@ impl Executable {
             .iter()
             .map(|d| client.device_index(*d))
             .collect::<Result<Vec<_>>>()?;
-        if got != [device] {
-            let msg = format!("executable was loaded on devices {got:?}, expected [{device}]");
+        if got != devices {
+            let msg = format!("executable was loaded on devices {got:?}, expected {devices:?}");
             return Err(Error::new(code::INTERNAL, msg));
         }
         Ok(e)
@@ -882,6 +933,57 @@ impl Executable {
             b.load_metadata()?;
         }
         Ok(bufs)
+    }
+
+    /// Runs a [`Client::compile_replicated`] program once on each of its devices:
+    /// `inputs[r]` are replica `r`'s arguments, on its device; returns each replica's outputs.
+    pub fn execute_replicated(&self, inputs: &[Vec<&Buffer>]) -> Result<Vec<Vec<Buffer>>> {
+        if inputs.len() != self.replicas {
+            let msg = format!(
+                "{} argument lists for {} replicas",
+                inputs.len(),
+                self.replicas
+            );
+            return Err(invalid(msg));
+        }
+        let num_args = inputs[0].len();
+        let mut args: Vec<ffi::Handle> = Vec::with_capacity(num_args * self.replicas);
+        for (r, list) in inputs.iter().enumerate() {
+            if list.len() != num_args {
+                return Err(invalid(format!(
+                    "replica {r} has {} arguments, replica 0 {num_args}",
+                    list.len()
+                )));
+            }
+            for b in list {
+                if !Arc::ptr_eq(&b.client, &self.client) {
+                    return Err(invalid(format!(
+                        "an input of replica {r} belongs to another client"
+                    )));
+                }
+                args.push(b.raw);
+            }
+        }
+        let n = self.num_outputs;
+        let mut outs: Vec<ffi::Handle> = vec![ptr::null_mut(); n * self.replicas];
+        let (api, a, o) = (self.client.api(), args.as_ptr(), outs.as_mut_ptr());
+        // SAFETY: `args` holds replicas * num_args live buffers borrowed by `inputs`; `outs`
+        // has room for replicas * num_outputs handles, which PJRT fills on success.
+        check(unsafe {
+            ffi::pw_exe_execute_replicated(api, self.raw, a, self.replicas, num_args, o, n)
+        })?;
+        let mut bufs: Vec<Buffer> = outs
+            .into_iter()
+            .map(|raw| Buffer::wrap(&self.client, raw))
+            .collect();
+        for b in &mut bufs {
+            b.load_metadata()?;
+        }
+        let mut per: Vec<Vec<Buffer>> = (0..self.replicas).map(|_| Vec::new()).collect();
+        for (i, b) in bufs.into_iter().enumerate() {
+            per[i / n].push(b);
+        }
+        Ok(per)
     }
 
     /// Serializes the compiled executable (PJRT_Executable_Serialize).

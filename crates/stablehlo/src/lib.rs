@@ -8,6 +8,7 @@
 use std::fmt::Write;
 use std::sync::Arc;
 
+mod collectives;
 pub mod import;
 mod ops;
 pub use ops::{CmpDir, ReduceKind};

@@ -21,6 +21,8 @@ pub enum ReduceKind {
     Min,
     And,
     Or,
+    /// Bitwise exclusive or (integers; collectives' BXOR).
+    Xor,
 }
 
 impl ReduceKind {
@@ -32,12 +34,13 @@ impl ReduceKind {
             (ReduceKind::Prod, _) => "stablehlo.multiply",
             (ReduceKind::Max, _) => "stablehlo.maximum",
             (ReduceKind::Min, _) => "stablehlo.minimum",
+            (ReduceKind::Xor, _) => "stablehlo.xor",
         }
     }
     /// The identity element of the combiner.
     pub fn init(self, dtype: DType) -> f64 {
         match self {
-            ReduceKind::Sum | ReduceKind::Or => 0.0,
+            ReduceKind::Sum | ReduceKind::Or | ReduceKind::Xor => 0.0,
             ReduceKind::Prod | ReduceKind::And => 1.0,
             ReduceKind::Max => lowest(dtype),
             ReduceKind::Min => highest(dtype),

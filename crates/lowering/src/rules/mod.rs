@@ -15,6 +15,7 @@ pub mod activations;
 pub mod amp;
 pub mod attention;
 pub mod bags;
+pub mod collectives;
 pub mod complex;
 pub mod convolution;
 pub mod custom;
@@ -67,6 +68,7 @@ fn families() -> Vec<&'static [(&'static str, Rule)]> {
         decomp::RULES,
         losses::RULES,
         bags::RULES,
+        collectives::RULES,
         amp::RULES,
         custom::RULES,
         detection::RULES,
