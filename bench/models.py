@@ -140,65 +140,62 @@ class Llama(nn.Module):
         a, b = x.chunk(2, dim=-1)
         return x * cos + torch.cat((-b, a), dim=-1) * sin
 
-    def forward(self, ids, cache=None):
-        """``ids`` (batch, new tokens); ``cache`` a list of (k, v) per layer or None.
-        Returns the logits and the grown cache."""
+    def _run(self, ids, pos, attend):
+        """The logits of ``ids`` at positions ``pos``; ``attend(i, q, k, v)`` keeps layer
+        ``i``'s keys and values in its cache and returns the attention output."""
         b, t = ids.shape
-        past = 0 if cache is None else cache[0][0].shape[2]
-        pos = torch.arange(past, past + t, device=ids.device)
         freqs = pos[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
         x = self.embed(ids)
-        new_cache = []
         for i, layer in enumerate(self.layers):
             h = layer.norm1(x)
             q = layer.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
             k = layer.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             v = layer.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
             q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+            a = attend(i, q, k, v)
+            x = x + layer.o(a.transpose(1, 2).reshape(b, t, -1))
+            h = layer.norm2(x)
+            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
+        return self.head(self.norm(x))
+
+    def _repeat(self, kv):
+        """Grouped-query attention: each key/value head serves heads // kv_heads heads."""
+        return kv.repeat_interleave(self.heads // self.kv_heads, dim=1)
+
+    def forward(self, ids, cache=None):
+        """``ids`` (batch, new tokens); ``cache`` a list of (k, v) per layer or None.
+        Returns the logits and the grown cache."""
+        past = 0 if cache is None else cache[0][0].shape[2]
+        pos = torch.arange(past, past + ids.shape[1], device=ids.device)
+        new_cache = []
+
+        def attend(i, q, k, v):
             if cache is not None:
                 k = torch.cat((cache[i][0], k), dim=2)
                 v = torch.cat((cache[i][1], v), dim=2)
             new_cache.append((k, v))
-            rep = self.heads // self.kv_heads
-            kr = k.repeat_interleave(rep, dim=1)
-            vr = v.repeat_interleave(rep, dim=1)
-            a = F.scaled_dot_product_attention(q, kr, vr, is_causal=cache is None)
-            x = x + layer.o(a.transpose(1, 2).reshape(b, t, -1))
-            h = layer.norm2(x)
-            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
-        return self.head(self.norm(x)), new_cache
+            return F.scaled_dot_product_attention(q, self._repeat(k), self._repeat(v),
+                                                  is_causal=cache is None)
+
+        return self._run(ids, pos, attend), new_cache
 
     def forward_static(self, ids, start, ks, vs):
         """``forward`` with a static cache: ``ks``/``vs`` per layer (batch, kv_heads, max_len,
         head_dim), written in place at positions ``start + [0, t)`` (``start`` a 1-element
         int64 tensor, so that every decode step has the same shapes and one compiled graph
         serves them all); attention masks the positions not written yet. Returns the logits."""
-        b, t = ids.shape
-        pos = start + torch.arange(t, device=ids.device)
-        freqs = pos[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos(), emb.sin()
-        keys = torch.arange(ks[0].shape[2], device=ids.device)
-        mask = keys[None, :] <= pos[:, None]
-        x = self.embed(ids)
-        rep = self.heads // self.kv_heads
-        for i, layer in enumerate(self.layers):
-            h = layer.norm1(x)
-            q = layer.q(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-            k = layer.k(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            v = layer.v(h).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-            q, k = self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        pos = start + torch.arange(ids.shape[1], device=ids.device)
+        mask = torch.arange(ks[0].shape[2], device=ids.device)[None, :] <= pos[:, None]
+
+        def attend(i, q, k, v):
             ks[i].index_copy_(2, pos, k)
             vs[i].index_copy_(2, pos, v)
-            kr = ks[i].repeat_interleave(rep, dim=1)
-            vr = vs[i].repeat_interleave(rep, dim=1)
-            a = F.scaled_dot_product_attention(q, kr, vr, attn_mask=mask)
-            x = x + layer.o(a.transpose(1, 2).reshape(b, t, -1))
-            h = layer.norm2(x)
-            x = x + layer.down(F.silu(layer.gate(h)) * layer.up(h))
-        return self.head(self.norm(x))
+            return F.scaled_dot_product_attention(q, self._repeat(ks[i]), self._repeat(vs[i]),
+                                                  attn_mask=mask)
+
+        return self._run(ids, pos, attend)
 
     @torch.no_grad()
     def generate_static(self, ids, new_tokens, step=None):

@@ -255,6 +255,25 @@ unsafe impl Send for ClientInner {}
 unsafe impl Sync for ClientInner {}
 
 impl ClientInner {
+    /// PJRT_Client_Compile of `mlir` with serialized compile options `opts`.
+    fn compile_raw(&self, mlir: &str, opts: &[u8]) -> Result<ffi::Handle> {
+        let (code, copts) = (mlir.as_ptr().cast(), opts.as_ptr().cast());
+        let mut raw: ffi::Handle = ptr::null_mut();
+        // SAFETY: live client; inputs are valid for their lengths during the call.
+        check(unsafe {
+            ffi::pw_compile(
+                self.api(),
+                self.raw,
+                code,
+                mlir.len(),
+                copts,
+                opts.len(),
+                &mut raw,
+            )
+        })?;
+        Ok(raw)
+    }
+
     fn api(&self) -> ffi::Api {
         self.plugin.api
     }
@@ -429,20 +448,7 @@ impl Client {
         let c = &self.inner;
         c.device(device)?;
         let opts = compile_options(device, c.device_ids[device], &c.overrides, extra);
-        let (code, copts) = (mlir.as_ptr().cast(), opts.as_ptr().cast());
-        let mut raw: ffi::Handle = ptr::null_mut();
-        // SAFETY: live client; inputs are valid for their lengths during the call.
-        check(unsafe {
-            ffi::pw_compile(
-                c.api(),
-                c.raw,
-                code,
-                mlir.len(),
-                copts,
-                opts.len(),
-                &mut raw,
-            )
-        })?;
+        let raw = c.compile_raw(mlir, &opts)?;
         Executable::from_raw(c, raw, &[device])
     }
 
@@ -459,20 +465,7 @@ impl Client {
             .map(|d| c.device(*d).map(|_| c.device_ids[*d]))
             .collect::<Result<Vec<i64>>>()?;
         let opts = options_proto(-1, &ids, &c.overrides, &[]);
-        let (code, copts) = (mlir.as_ptr().cast(), opts.as_ptr().cast());
-        let mut raw: ffi::Handle = ptr::null_mut();
-        // SAFETY: live client; inputs are valid for their lengths during the call.
-        check(unsafe {
-            ffi::pw_compile(
-                c.api(),
-                c.raw,
-                code,
-                mlir.len(),
-                copts,
-                opts.len(),
-                &mut raw,
-            )
-        })?;
+        let raw = c.compile_raw(mlir, &opts)?;
         Executable::from_raw(c, raw, devices)
     }
 

@@ -6,7 +6,6 @@
 //! In-place variants (`_foreach_add_`) reach this functional rule through the runtime.
 
 use crate::args::Arg;
-use crate::promote::torch_name;
 use crate::shape::reduce_dims;
 use crate::{decline, user_err, Args, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg};
 
@@ -309,15 +308,7 @@ fn foreach(c: &mut Ctx) -> LResult<Vec<Out>> {
 /// `linalg.vector_norm` of a whole tensor, as `_foreach_norm` takes it per element.
 fn norm(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = c.args.tensor("self")?.clone();
-    if !t.dtype.is_float() {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "linalg.vector_norm: Expected a floating point or complex tensor as input. Got {}",
-                torch_name(t.dtype)
-            ),
-        );
-    }
+    super::norms::vector_norm_input(t.dtype)?;
     if c.args.opt_tensor("ord").is_some() {
         return decline("norm order given as a tensor");
     }

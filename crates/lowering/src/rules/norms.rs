@@ -17,6 +17,20 @@ fn pow(b: &mut Builder, x: Value, p: f64) -> Value {
     b.binary("stablehlo.power", x, k)
 }
 
+/// linalg.vector_norm's dtype check (renorm and `_foreach_norm` raise it too).
+pub(super) fn vector_norm_input(d: DType) -> LResult<()> {
+    if !d.is_float() {
+        return user_err(
+            ErrorKind::NotImplemented,
+            format!(
+                "linalg.vector_norm: Expected a floating point or complex tensor as input. Got {}",
+                torch_name(d)
+            ),
+        );
+    }
+    Ok(())
+}
+
 /// `ord`-norm of `x` over `dims` (keepdim shape), in `x`'s dtype.
 pub(crate) fn norm_keep(b: &mut Builder, x: Value, dims: &[i64], ord: f64) -> Value {
     let a = b.abs(x);
@@ -173,15 +187,7 @@ fn renorm(c: &mut Ctx) -> LResult<Vec<Out>> {
             ),
         );
     }
-    if !t.dtype.is_float() {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "linalg.vector_norm: Expected a floating point or complex tensor as input. Got {}",
-                torch_name(t.dtype)
-            ),
-        );
-    }
+    vector_norm_input(t.dtype)?;
     let dim = wrap_dim(c.args.int("dim")?, t.shape.len())? as i64;
     let others: Vec<i64> = (0..t.shape.len() as i64).filter(|d| *d != dim).collect();
     let b = &mut *c.b;
