@@ -813,7 +813,8 @@ pub struct Executable {
     num_outputs: usize,
     /// The device of replica 0 (the only one unless `compile_replicated`).
     device: usize,
-    replicas: usize,
+    /// Each replica's device.
+    devices: Vec<usize>,
 }
 
 // SAFETY: PJRT_LoadedExecutable is thread-safe (concurrent Execute is allowed).
@@ -853,7 +854,7 @@ impl Executable {
             raw,
             num_outputs: 0,
             device: devices[0],
-            replicas: devices.len(),
+            devices: devices.to_vec(),
         };
         let (mut devs, mut n) = (ptr::null(), 0usize);
         // SAFETY: `raw` is a live executable; the device array lives as long as it does.
@@ -931,16 +932,13 @@ impl Executable {
     /// Runs a [`Client::compile_replicated`] program once on each of its devices:
     /// `inputs[r]` are replica `r`'s arguments, on its device; returns each replica's outputs.
     pub fn execute_replicated(&self, inputs: &[Vec<&Buffer>]) -> Result<Vec<Vec<Buffer>>> {
-        if inputs.len() != self.replicas {
-            let msg = format!(
-                "{} argument lists for {} replicas",
-                inputs.len(),
-                self.replicas
-            );
+        let replicas = self.devices.len();
+        if inputs.len() != replicas {
+            let msg = format!("{} argument lists for {replicas} replicas", inputs.len());
             return Err(invalid(msg));
         }
         let num_args = inputs[0].len();
-        let mut args: Vec<ffi::Handle> = Vec::with_capacity(num_args * self.replicas);
+        let mut args: Vec<ffi::Handle> = Vec::with_capacity(num_args * replicas);
         for (r, list) in inputs.iter().enumerate() {
             if list.len() != num_args {
                 return Err(invalid(format!(
@@ -954,16 +952,23 @@ impl Executable {
                         "an input of replica {r} belongs to another client"
                     )));
                 }
+                if b.device != self.devices[r] {
+                    let msg = format!(
+                        "an input of replica {r} is on device {}, the replica on {}",
+                        b.device, self.devices[r]
+                    );
+                    return Err(invalid(msg));
+                }
                 args.push(b.raw);
             }
         }
         let n = self.num_outputs;
-        let mut outs: Vec<ffi::Handle> = vec![ptr::null_mut(); n * self.replicas];
+        let mut outs: Vec<ffi::Handle> = vec![ptr::null_mut(); n * replicas];
         let (api, a, o) = (self.client.api(), args.as_ptr(), outs.as_mut_ptr());
         // SAFETY: `args` holds replicas * num_args live buffers borrowed by `inputs`; `outs`
         // has room for replicas * num_outputs handles, which PJRT fills on success.
         check(unsafe {
-            ffi::pw_exe_execute_replicated(api, self.raw, a, self.replicas, num_args, o, n)
+            ffi::pw_exe_execute_replicated(api, self.raw, a, replicas, num_args, o, n)
         })?;
         let mut bufs: Vec<Buffer> = outs
             .into_iter()
@@ -972,7 +977,7 @@ impl Executable {
         for b in &mut bufs {
             b.load_metadata()?;
         }
-        let mut per: Vec<Vec<Buffer>> = (0..self.replicas).map(|_| Vec::new()).collect();
+        let mut per: Vec<Vec<Buffer>> = (0..replicas).map(|_| Vec::new()).collect();
         for (i, b) in bufs.into_iter().enumerate() {
             per[i / n].push(b);
         }

@@ -229,3 +229,35 @@ fn bad_groups_and_reduce_ops_are_errors() {
         }
     }
 }
+
+#[test]
+fn replicated_runs_refuse_misplaced_or_missing_inputs() {
+    let c = client();
+    let mlir = program("torch_pjrt::all_gather", DType::F32, &[2], world());
+    let exe = c.compile_replicated(&mlir, &DEVICES).expect("compiles");
+    let bytes = [0u8; 8];
+    let on = |d| {
+        c.buffer_from_host(&bytes, ElementType::F32, &[2], d)
+            .expect("upload")
+    };
+    let bufs: Vec<_> = [1, 0, 2, 3].into_iter().map(on).collect();
+    let swapped: Vec<Vec<_>> = bufs.iter().map(|b| vec![b]).collect();
+    let e = exe
+        .execute_replicated(&swapped)
+        .expect_err("replica 0's input is on device 1");
+    assert!(
+        e.message.contains("replica 0 is on device 1"),
+        "{}",
+        e.message
+    );
+    let e = exe
+        .execute_replicated(&swapped[..3])
+        .expect_err("3 lists for 4 replicas");
+    assert!(
+        e.message.contains("3 argument lists for 4 replicas"),
+        "{}",
+        e.message
+    );
+    let e = c.compile_replicated(&mlir, &[]).expect_err("no device");
+    assert!(e.message.contains("at least one device"), "{}", e.message);
+}
