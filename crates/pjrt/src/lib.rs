@@ -898,6 +898,12 @@ impl Executable {
     /// `execute`, where inputs the program aliases to outputs are donated (their buffers
     /// become invalid) except those listed in `keep`.
     pub fn execute_donating(&self, inputs: &[&Buffer], keep: &[i64]) -> Result<Vec<Buffer>> {
+        if self.devices.len() != 1 {
+            return Err(invalid(format!(
+                "a program of {} replicas runs with execute_replicated",
+                self.devices.len()
+            )));
+        }
         for (i, b) in inputs.iter().enumerate() {
             if !Arc::ptr_eq(&b.client, &self.client) {
                 return Err(invalid(format!("input {i} belongs to another client")));

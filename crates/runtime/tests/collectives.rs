@@ -258,6 +258,10 @@ fn replicated_runs_refuse_misplaced_or_missing_inputs() {
         "{}",
         e.message
     );
+    let e = exe
+        .execute(&[&bufs[1]])
+        .expect_err("4 replicas, one argument list");
+    assert!(e.message.contains("execute_replicated"), "{}", e.message);
     let e = c.compile_replicated(&mlir, &[]).expect_err("no device");
     assert!(e.message.contains("at least one device"), "{}", e.message);
 }
