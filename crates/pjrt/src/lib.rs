@@ -924,7 +924,11 @@ impl Executable {
         // outlives the call.
         let (k, nk) = (keep.as_ptr(), keep.len());
         check(unsafe { ffi::pw_exe_execute(api, self.raw, a, args.len(), o, k, nk) })?;
-        // Own every output first so that all are destroyed if one fails below.
+        self.own_outputs(outs)
+    }
+
+    /// The buffers PJRT returned, owned first so that all are destroyed if one fails.
+    fn own_outputs(&self, outs: Vec<ffi::Handle>) -> Result<Vec<Buffer>> {
         let mut bufs: Vec<Buffer> = outs
             .into_iter()
             .map(|raw| Buffer::wrap(&self.client, raw))
@@ -976,13 +980,7 @@ impl Executable {
         check(unsafe {
             ffi::pw_exe_execute_replicated(api, self.raw, a, replicas, num_args, o, n)
         })?;
-        let mut bufs: Vec<Buffer> = outs
-            .into_iter()
-            .map(|raw| Buffer::wrap(&self.client, raw))
-            .collect();
-        for b in &mut bufs {
-            b.load_metadata()?;
-        }
+        let bufs = self.own_outputs(outs)?;
         let mut per: Vec<Vec<Buffer>> = (0..replicas).map(|_| Vec::new()).collect();
         for (i, b) in bufs.into_iter().enumerate() {
             per[i / n].push(b);
