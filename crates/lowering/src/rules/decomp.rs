@@ -141,20 +141,10 @@ fn eye(b: &mut Builder, dtype: DType, batch: &[i64], m: i64, n: i64) -> Value {
     b.convert(e, dtype)
 }
 
-/// Mask of `shape` [..., m, n]: col - row <= k (`lower`) or >= k.
-fn band(b: &mut Builder, shape: &[i64], lower: bool, k: i64) -> Value {
-    let r = shape.len();
-    let i = b.iota(DType::I32, shape, r - 2);
-    let j = b.iota(DType::I32, shape, r - 1);
-    let d = b.sub(j, i);
-    let kk = b.full(DType::I32, shape, k as f64);
-    b.compare(d, kk, if lower { CmpDir::Le } else { CmpDir::Ge })
-}
-
 /// `x` with the elements outside the band zeroed (tril with `lower`, else triu).
 fn tri(b: &mut Builder, x: Value, lower: bool, k: i64) -> Value {
     let s = b.shape(x);
-    let keep = band(b, &s, lower, k);
+    let keep = super::tri_mask(b, &s, lower, k);
     let z = b.splat(x, 0.0);
     b.select(keep, x, z)
 }

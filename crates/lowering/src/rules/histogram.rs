@@ -224,8 +224,8 @@ fn histdd_linear_edges(c: &mut Ctx, x: Value, m: i64, bins: &[i64]) -> LResult<V
                     ErrorKind::Runtime,
                     format!(
                         "torch.histogramdd: dimension {d}'s range [{}, {}] is not finite",
-                        super::random::fmt_num(l),
-                        super::random::fmt_num(h)
+                        super::fmt_num(l),
+                        super::fmt_num(h)
                     ),
                 );
             }
@@ -234,8 +234,8 @@ fn histdd_linear_edges(c: &mut Ctx, x: Value, m: i64, bins: &[i64]) -> LResult<V
                     ErrorKind::Runtime,
                     format!(
                         "torch.histogramdd: min should not exceed max, but got min {} max {} for dimension {d}",
-                        super::random::fmt_num(l),
-                        super::random::fmt_num(h)
+                        super::fmt_num(l),
+                        super::fmt_num(h)
                     ),
                 );
             }

@@ -366,6 +366,50 @@ pub fn opmath(d: DType) -> DType {
     }
 }
 
+/// A number as C++ streams print a double (`%g`), for PyTorch's messages.
+pub fn fmt_num(v: f64) -> String {
+    if v.is_nan() {
+        return "nan".into();
+    }
+    if v.is_infinite() {
+        return if v > 0.0 { "inf".into() } else { "-inf".into() };
+    }
+    if v == 0.0 {
+        return if v.is_sign_negative() {
+            "-0".into()
+        } else {
+            "0".into()
+        };
+    }
+    let sci = format!("{v:.5e}");
+    let (mant, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let trim = |s: &str| -> String {
+        if s.contains('.') {
+            s.trim_end_matches('0').trim_end_matches('.').to_string()
+        } else {
+            s.to_string()
+        }
+    };
+    if !(-4..6).contains(&exp) {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{}e{}{:02}", trim(mant), sign, exp.abs())
+    } else {
+        let decimals = (5 - exp).max(0) as usize;
+        trim(&format!("{v:.decimals$}"))
+    }
+}
+
+/// Where `col - row <= k` (lower) or `>= k` (upper) over the last two dims of `shape`.
+pub fn tri_mask(b: &mut Builder, shape: &[i64], lower: bool, k: i64) -> Value {
+    let r = shape.len();
+    let row = b.iota(DType::I64, shape, r - 2);
+    let col = b.iota(DType::I64, shape, r - 1);
+    let d = b.sub(col, row);
+    let kk = b.full(DType::I64, shape, k as f64);
+    b.compare(d, kk, if lower { CmpDir::Le } else { CmpDir::Ge })
+}
+
 /// PyTorch's error for a kernel `kernel` with no instance for `d`
 /// (`"histogram_cpu" not implemented for 'Int'`).
 pub fn not_implemented<T>(kernel: &str, d: DType) -> LResult<T> {
@@ -471,8 +515,20 @@ pub fn splat(b: &mut Builder, like: Value, v: f64) -> Value {
 }
 
 #[cfg(test)]
-mod serves_sizes_tests {
+mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_print_like_cpp() {
+        assert_eq!(fmt_num(1.0), "1");
+        assert_eq!(fmt_num(-1.0), "-1");
+        assert_eq!(fmt_num(0.1), "0.1");
+        assert_eq!(fmt_num(1e-5), "1e-05");
+        assert_eq!(fmt_num(60000.0), "60000");
+        assert_eq!(fmt_num(1234567.0), "1.23457e+06");
+        assert_eq!(fmt_num(0.25), "0.25");
+        assert_eq!(fmt_num(1.5), "1.5");
+    }
 
     #[test]
     fn every_op_that_serves_sizes_has_a_rule() {

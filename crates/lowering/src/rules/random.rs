@@ -118,40 +118,6 @@ pub fn normal(c: &mut Ctx, shape: &[i64], dtype: DType) -> Value {
     b.convert(z, dtype)
 }
 
-/// A number as C++ streams print a double (`%g`), for PyTorch's messages.
-pub(super) fn fmt_num(v: f64) -> String {
-    if v.is_nan() {
-        return "nan".into();
-    }
-    if v.is_infinite() {
-        return if v > 0.0 { "inf".into() } else { "-inf".into() };
-    }
-    if v == 0.0 {
-        return if v.is_sign_negative() {
-            "-0".into()
-        } else {
-            "0".into()
-        };
-    }
-    let sci = format!("{v:.5e}");
-    let (mant, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
-    let exp: i32 = exp.parse().unwrap_or(0);
-    let trim = |s: &str| -> String {
-        if s.contains('.') {
-            s.trim_end_matches('0').trim_end_matches('.').to_string()
-        } else {
-            s.to_string()
-        }
-    };
-    if !(-4..6).contains(&exp) {
-        let sign = if exp < 0 { '-' } else { '+' };
-        format!("{}e{}{:02}", trim(mant), sign, exp.abs())
-    } else {
-        let decimals = (5 - exp).max(0) as usize;
-        trim(&format!("{v:.decimals$}"))
-    }
-}
-
 /// Binary digits of a float type's significand (`numeric_limits::digits`).
 fn digits(d: DType) -> u32 {
     match d {
@@ -222,8 +188,8 @@ fn uniform_rule(c: &mut Ctx) -> LResult<Vec<Out>> {
             ErrorKind::Runtime,
             format!(
                 "uniform_ expects to return a [from, to) range, but found from={} > to={}",
-                fmt_num(from),
-                fmt_num(to)
+                super::fmt_num(from),
+                super::fmt_num(to)
             ),
         );
     }
@@ -233,8 +199,8 @@ fn uniform_rule(c: &mut Ctx) -> LResult<Vec<Out>> {
             format!(
                 "uniform_ expects to-from <= std::numeric_limits<{}>::max(), but found to={} and from={} which result in to-from to exceed the limit",
                 torch_name(t.dtype),
-                fmt_num(to),
-                fmt_num(from)
+                super::fmt_num(to),
+                super::fmt_num(from)
             ),
         );
     }
@@ -270,7 +236,10 @@ fn check_std(std: f64) -> LResult<()> {
     } else {
         user_err(
             ErrorKind::Runtime,
-            format!("normal expects std >= 0.0, but found std {}", fmt_num(std)),
+            format!(
+                "normal expects std >= 0.0, but found std {}",
+                super::fmt_num(std)
+            ),
         )
     }
 }
@@ -333,7 +302,7 @@ fn bernoulli(c: &mut Ctx) -> LResult<Vec<Out>> {
                 ErrorKind::Runtime,
                 format!(
                     "bernoulli_ expects p to be in [0, 1], but got p={}",
-                    fmt_num(p)
+                    super::fmt_num(p)
                 ),
             );
         }
@@ -495,7 +464,7 @@ fn exponential(c: &mut Ctx) -> LResult<Vec<Out>> {
             ErrorKind::Runtime,
             format!(
                 "exponential_ expects lambda > 0.0, but found lambda={}",
-                fmt_num(lambd)
+                super::fmt_num(lambd)
             ),
         );
     }
@@ -519,7 +488,7 @@ fn log_normal(c: &mut Ctx) -> LResult<Vec<Out>> {
             ErrorKind::Runtime,
             format!(
                 "log_normal_ expects std > 0.0, but found std={}",
-                fmt_num(std)
+                super::fmt_num(std)
             ),
         );
     }
@@ -545,7 +514,7 @@ fn geometric(c: &mut Ctx) -> LResult<Vec<Out>> {
             ErrorKind::Runtime,
             format!(
                 "geometric_ expects p to be in (0, 1), but got p={}",
-                fmt_num(p)
+                super::fmt_num(p)
             ),
         );
     }
@@ -572,7 +541,7 @@ fn cauchy(c: &mut Ctx) -> LResult<Vec<Out>> {
             ErrorKind::Runtime,
             format!(
                 "cauchy_ expects sigma > 0.0, but found sigma={}",
-                fmt_num(sigma)
+                super::fmt_num(sigma)
             ),
         );
     }
@@ -816,18 +785,6 @@ pub const RULES: &[(&str, Rule)] = &[
 mod tests {
     use super::*;
     use crate::{Args, TensorArg};
-
-    #[test]
-    fn numbers_print_like_cpp() {
-        assert_eq!(fmt_num(1.0), "1");
-        assert_eq!(fmt_num(-1.0), "-1");
-        assert_eq!(fmt_num(0.1), "0.1");
-        assert_eq!(fmt_num(1e-5), "1e-05");
-        assert_eq!(fmt_num(60000.0), "60000");
-        assert_eq!(fmt_num(1234567.0), "1.23457e+06");
-        assert_eq!(fmt_num(0.25), "0.25");
-        assert_eq!(fmt_num(1.5), "1.5");
-    }
 
     fn tensor_args(b: &mut Builder, dtype: DType, shape: &[i64], extra: Vec<(&str, Arg)>) -> Args {
         let v = b.param(TensorType::new(dtype, shape));

@@ -1525,24 +1525,6 @@ fn lcm(c: &mut Ctx) -> LResult<Vec<Out>> {
 // Activations
 // ---------------------------------------------------------------------------
 
-/// C++ stream formatting of a double (6 significant digits), for error messages.
-fn cpp_num(v: f64) -> String {
-    if v == v.trunc() && v.abs() < 1e6 {
-        return format!("{}", v as i64);
-    }
-    let e = v.abs().log10().floor() as i32;
-    if (-5..6).contains(&e) {
-        let s = format!("{:.*}", (5 - e).max(0) as usize, v);
-        let s = s.trim_end_matches('0').trim_end_matches('.');
-        s.to_string()
-    } else {
-        let m = v / 10f64.powi(e);
-        let s = format!("{m:.5}");
-        let s = s.trim_end_matches('0').trim_end_matches('.');
-        format!("{s}e{}{:02}", if e < 0 { '-' } else { '+' }, e.abs())
-    }
-}
-
 fn softshrink(c: &mut Ctx) -> LResult<Vec<Out>> {
     let l = c.args.opt_scalar("lambd").map_or(0.5, |s| s.as_f64());
     let dt = c.args.tensor("self")?.dtype;
@@ -1551,9 +1533,9 @@ fn softshrink(c: &mut Ctx) -> LResult<Vec<Out>> {
             ErrorKind::Runtime,
             format!(
                 "lambda must be in range [0, {}] for input dtype {}, but found {}",
-                cpp_num(float_max(dt)),
+                super::fmt_num(float_max(dt)),
                 torch_name(dt),
-                cpp_num(l)
+                super::fmt_num(l)
             ),
         );
     }

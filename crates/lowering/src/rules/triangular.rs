@@ -11,16 +11,6 @@ use stablehlo::{CmpDir, ReduceKind};
 
 use super::{input, is_half};
 
-/// Where `col - row <= k` (lower) or `>= k` (upper) over the last two dims of `shape`.
-fn tri_mask(b: &mut Builder, shape: &[i64], lower: bool, k: i64) -> Value {
-    let r = shape.len();
-    let row = b.iota(DType::I64, shape, r - 2);
-    let col = b.iota(DType::I64, shape, r - 1);
-    let d = b.sub(col, row);
-    let kk = b.full(DType::I64, shape, k as f64);
-    b.compare(d, kk, if lower { CmpDir::Le } else { CmpDir::Ge })
-}
-
 fn tril_triu(c: &mut Ctx, lower: bool) -> LResult<Vec<Out>> {
     let t = input(c)?;
     if t.shape.len() < 2 {
@@ -34,7 +24,7 @@ fn tril_triu(c: &mut Ctx, lower: bool) -> LResult<Vec<Out>> {
     }
     let k = c.args.int_or("diagonal", 0);
     let b = &mut *c.b;
-    let mask = tri_mask(b, &t.shape, lower, k);
+    let mask = super::tri_mask(b, &t.shape, lower, k);
     let z = b.splat(t.value, 0.0);
     Ok(vec![Out::T(b.select(mask, t.value, z))])
 }
@@ -67,12 +57,12 @@ fn cholesky_ex(c: &mut Ctx) -> LResult<Vec<Out>> {
         return Ok(vec![Out::T(a.value), Out::T(info)]);
     }
     let l = b.cholesky(a.value, !upper);
-    let keep = tri_mask(b, &shape, !upper, 0);
+    let keep = super::tri_mask(b, &shape, !upper, 0);
     let z = b.splat(l, 0.0);
     let l = b.select(keep, l, z);
     // info: 1 + the first column whose pivot is not positive (NaN included), else 0.
-    let on_diag = tri_mask(b, &shape, true, 0);
-    let on_upper = tri_mask(b, &shape, false, 0);
+    let on_diag = super::tri_mask(b, &shape, true, 0);
+    let on_upper = super::tri_mask(b, &shape, false, 0);
     let on_diag = b.and(on_diag, on_upper);
     let d = b.select(on_diag, l, z);
     let d = b.reduce(d, &[r as i64 - 1], ReduceKind::Sum);
