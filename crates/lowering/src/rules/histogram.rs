@@ -430,28 +430,13 @@ fn histogramdd_from_bin_tensors(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(histdd_count(c, x, m, &edges, t.dtype))])
 }
 
-/// `steps` points from `lo` to `hi` (0-d values of one float dtype), computed as PyTorch's
-/// CPU linspace does: in that dtype, from the start for the first half, from the end for
-/// the rest.
+/// `steps` (at least 2) points from `lo` to `hi` (0-d values of one float dtype), as
+/// PyTorch's CPU linspace computes them in that dtype.
 fn linspace_values(b: &mut Builder, lo: Value, hi: Value, steps: i64) -> Value {
-    let dt = b.dtype(lo);
     let d = b.sub(hi, lo);
-    let den = b.constant(dt, (steps - 1).max(1) as f64);
+    let den = b.constant(b.dtype(lo), (steps - 1) as f64);
     let step = b.div(d, den);
-    let step = b.broadcast_in_dim(step, &[steps], &[]);
-    let i = b.iota(dt, &[steps], 0);
-    let lo_b = b.broadcast_in_dim(lo, &[steps], &[]);
-    let hi_b = b.broadcast_in_dim(hi, &[steps], &[]);
-    let up = b.mul(step, i);
-    let up = b.add(lo_b, up);
-    let rest = b.full(dt, &[steps], (steps - 1) as f64);
-    let rest = b.sub(rest, i);
-    let down = b.mul(step, rest);
-    let down = b.sub(hi_b, down);
-    let idx = b.iota(DType::I64, &[steps], 0);
-    let half = b.full(DType::I64, &[steps], (steps / 2) as f64);
-    let first = b.compare(idx, half, CmpDir::Lt);
-    b.select(first, up, down)
+    super::ramp(b, lo, hi, step, steps)
 }
 
 /// torch.histogram: histogramdd of one dim (its edges and counts), the data flattened.

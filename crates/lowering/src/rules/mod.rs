@@ -410,6 +410,27 @@ pub fn tri_mask(b: &mut Builder, shape: &[i64], lower: bool, k: i64) -> Value {
     b.compare(d, kk, if lower { CmpDir::Le } else { CmpDir::Ge })
 }
 
+/// The CPU kernels' symmetric ramp of `n` f64 points: the first half steps up from `s`, the
+/// second half down from `e` (one point gives `s`). `s`, `e`, `step`: 0-d values of one
+/// dtype; linspace and histogram's equal bins compute their points this way.
+pub fn ramp(b: &mut Builder, s: Value, e: Value, step: Value, n: i64) -> Value {
+    let dt = b.dtype(s);
+    let step = b.broadcast_in_dim(step, &[n], &[]);
+    let index = b.iota(DType::F64, &[n], 0);
+    let i = b.convert(index, dt);
+    let sb = b.broadcast_in_dim(s, &[n], &[]);
+    let eb = b.broadcast_in_dim(e, &[n], &[]);
+    let lo = b.mul(i, step);
+    let lo = b.add(sb, lo);
+    let last = b.full(dt, &[n], (n - 1) as f64);
+    let r = b.sub(last, i);
+    let hi = b.mul(r, step);
+    let hi = b.sub(eb, hi);
+    let half = b.full(DType::F64, &[n], (n / 2).max(1) as f64);
+    let first = b.compare(index, half, stablehlo::CmpDir::Lt);
+    b.select(first, lo, hi)
+}
+
 /// PyTorch's error for a kernel `kernel` with no instance for `d`
 /// (`"histogram_cpu" not implemented for 'Int'`).
 pub fn not_implemented<T>(kernel: &str, d: DType) -> LResult<T> {

@@ -379,32 +379,6 @@ fn bound(
     }
 }
 
-/// The CPU kernels' symmetric ramp of `n` f64 points: the first half steps up from `s`, the
-/// second half down from `e` (one point gives `s`).
-fn ramp(
-    b: &mut stablehlo::Builder,
-    s: stablehlo::Value,
-    e: stablehlo::Value,
-    step: stablehlo::Value,
-    n: i64,
-) -> stablehlo::Value {
-    let dt = b.dtype(s);
-    let step = b.broadcast_in_dim(step, &[n], &[]);
-    let index = b.iota(DType::F64, &[n], 0);
-    let i = b.convert(index, dt);
-    let sb = b.broadcast_in_dim(s, &[n], &[]);
-    let eb = b.broadcast_in_dim(e, &[n], &[]);
-    let lo = b.mul(i, step);
-    let lo = b.add(sb, lo);
-    let last = b.full(dt, &[n], (n - 1) as f64);
-    let r = b.sub(last, i);
-    let hi = b.mul(r, step);
-    let hi = b.sub(eb, hi);
-    let half = b.full(DType::F64, &[n], (n / 2).max(1) as f64);
-    let first = b.compare(index, half, stablehlo::CmpDir::Lt);
-    b.select(first, lo, hi)
-}
-
 fn linspace(c: &mut Ctx) -> LResult<Vec<Out>> {
     let n = steps(c)?;
     let dt = factory_dtype(c, DType::F32);
@@ -420,7 +394,7 @@ fn linspace(c: &mut Ctx) -> LResult<Vec<Out>> {
     let d = b.sub(e, s);
     let den = b.constant(wide, (n - 1).max(1) as f64);
     let step = b.div(d, den);
-    let v = ramp(b, s, e, step, n);
+    let v = super::ramp(b, s, e, step, n);
     Ok(vec![Out::T(b.convert(v, dt))])
 }
 
@@ -444,7 +418,7 @@ fn logspace(c: &mut Ctx) -> LResult<Vec<Out>> {
     let step = b.div(d, den);
     let s = b.convert(s, wide);
     let e = b.convert(e, wide);
-    let x = ramp(b, s, e, step, n);
+    let x = super::ramp(b, s, e, step, n);
     let k = b.splat(x, base);
     let v = b.binary("stablehlo.power", k, x);
     Ok(vec![Out::T(b.convert(v, dt))])
