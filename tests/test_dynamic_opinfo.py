@@ -24,10 +24,13 @@ def _bucket(d):
 
 
 def _moved(d, k):
-    """Size d moved by k inside its bucket (sizes 0 and 1 stay: 1 broadcasts)."""
+    """Size d taken past the smallest bucket (d + 16 up to 16) and moved by k inside its
+    bucket; sizes 0 and 1 stay (1 broadcasts). Above 16 two sizes of one bucket make a dim
+    serve sizes; below, sizes of different powers of two stay apart (2 and 4 heads)."""
     if d < 2:
         return d
-    return d + k if d + k <= _bucket(d) else d - k
+    base = d if d > 16 else d + 16
+    return base + k if base + k <= _bucket(base) else base - k
 
 
 # Arguments kept at their size: a size the op's backward receives as a number
@@ -36,7 +39,8 @@ FIXED_ARGS = {"nn.functional.embedding": {"input"}}  # the weight
 # Trailing dims kept in every tensor: layer norm's normalized_shape is an int argument (a
 # new one is a new signature); the dims before it are what changes in a model.
 KEPT_TRAILING_DIMS = {"nn.functional.layer_norm": lambda s: len(s.args[0]),
-                      "native_layer_norm": lambda s: len(s.args[0])}
+                      "native_layer_norm": lambda s: len(s.args[0]),
+                      "nn.functional.rms_norm": lambda s: len(s.args[0])}
 
 
 def _resized(sample, k, fixed=frozenset(), trailing=0):
@@ -69,6 +73,25 @@ def _resized(sample, k, fixed=frozenset(), trailing=0):
                        broadcasts_input=sample.broadcasts_input, name=sample.name)
 
 
+# OpInfos whose op reads a tensor flat (embedding's indices: index_select of n * n of
+# them), so that its element count's bucket matters too.
+FLAT_READS = {"nn.functional.embedding"}
+
+
+def _buckets(name, op, sample):
+    """The buckets of the sizes of the sample's tensors and of the op's CPU results (and of
+    their element counts, for the ops in FLAT_READS)."""
+    try:
+        out = op(sample.input, *sample.args, **sample.kwargs)
+    except Exception:
+        out = None
+    ts = [x for x in tree_flatten((sample.input, sample.args, sample.kwargs, out))[0]
+          if isinstance(x, torch.Tensor)]
+    flat = name in FLAT_READS
+    return [tuple(_bucket(d) if d > 1 else d for d in (*x.shape, *([x.numel()] * flat)))
+            for x in ts]
+
+
 def _sizes(sample):
     return [tuple(x.shape) for x in tree_flatten((sample.input, sample.args, sample.kwargs))[0]
             if isinstance(x, torch.Tensor)]
@@ -77,6 +100,9 @@ def _sizes(sample):
 # Ops that serve sizes whose OpInfo goes by another name (a composite calls them).
 FORWARD_OPINFOS = {
     "aten::native_layer_norm": ["nn.functional.layer_norm"],
+    "aten::_fused_rms_norm": ["nn.functional.rms_norm"],
+    "aten::_scaled_dot_product_fused_attention_overrideable": [
+        "nn.functional.scaled_dot_product_attention"],
 }
 
 
@@ -101,6 +127,9 @@ BACKWARD_OPINFOS = {
     "aten::_log_softmax_backward_data": ["log_softmax"],
     "aten::embedding_dense_backward": ["nn.functional.embedding"],
     "aten::native_layer_norm_backward": ["nn.functional.layer_norm"],
+    "aten::_fused_rms_norm_backward": ["nn.functional.rms_norm"],
+    "aten::_scaled_dot_product_fused_attention_overrideable_backward": [
+        "nn.functional.scaled_dot_product_attention"],
 }
 
 
@@ -116,9 +145,12 @@ def _backward_opinfos():
 
 
 def _at_other_sizes(name, direction):
-    """Each OpInfo sample, run at its size and at two other sizes of the same buckets:
-    every run gives the CPU's result (values and shapes, the OpInfo's tolerances), and the
-    third compiles nothing: the second built the bucket's program."""
+    """Each OpInfo sample, its sizes taken past 16 (`_moved`), run at four sizes of the
+    same buckets: every run gives the CPU's result (values and shapes, the OpInfo's
+    tolerances), and the last compiles nothing. The second size makes the dims dynamic
+    and builds the buckets' programs; the third builds those of ops reading another
+    bucketed op's result on the device (the first bucketed call read it from the host).
+    """
     op = oi.OPS[name]
     run = oi.RUNNERS[direction]
     atol, rtol = oi.tolerances(op, torch.float32)
@@ -132,37 +164,45 @@ def _at_other_sizes(name, direction):
         return _resized(s, k, fixed, kept(s))
 
     def moves(s):
-        """Two moves inside the buckets; with kept dims, ones where no moved size equals a
-        kept one (duck sizing would pad both at that size only: another program)."""
+        """Four consecutive moves; with kept dims, ones where no moved size equals a kept
+        one (duck sizing would pad both at that size only: another program)."""
         if not kept(s):
-            return [1, 2]
+            return [0, 1, 2, 3]
         fixed_sizes = {d for x in _sizes(s) for d in x[len(x) - kept(s):]}
-        return [k for k in range(1, 9)
-                if not any(d in fixed_sizes for x in _sizes(resized(s, k))
-                           for d in x[:len(x) - kept(s)])][:2]
+
+        def ok(k):
+            return not any(d in fixed_sizes for x in _sizes(resized(s, k))
+                           for d in x[:len(x) - kept(s)])
+        return next((list(range(k, k + 4)) for k in range(0, 8)
+                     if all(ok(j) for j in range(k, k + 4))), [])
 
     served = 0
     samples = (s for s in op.sample_inputs("cpu", torch.float32,
                                            requires_grad=direction == "backward")
                # Nothing to resize in scalars and sizes 1; empty tensors run exact programs.
                if _sizes(resized(s, 1)) != _sizes(s)
-               and not any(0 in x for x in _sizes(s)) and len(moves(s)) == 2)
+               and not any(0 in x for x in _sizes(s)) and len(moves(s)) == 4)
     for sample in itertools.islice(samples, n):
-        second, third = (resized(sample, k) for k in moves(sample))
+        *warm, last = (resized(sample, k) for k in moves(sample))
+        # Which dims change: this sample's sizes only (a cached program hides its call).
+        torch_pjrt._C.forget_shape_history()
+        torch_pjrt.clear_cache(disk=False)
         try:
-            run(op, name, sample, atol, rtol)
-            run(op, name, second, atol, rtol)
+            for s in warm:
+                run(op, name, s, atol, rtol)
             reset()
-            run(op, name, third, atol, rtol)
+            run(op, name, last, atol, rtol)
         except oi.CpuRaised:
             continue
+        if _buckets(name, op, warm[-1]) != _buckets(name, op, last):
+            continue  # a size or element count left its bucket: a new bucket
         progs = torch_pjrt.metrics()["programs"]
         # (built, bucketed built, bucketed calls) per op: no bucket's program is built, and
         # a program built at the exact shape is one a bucket served often enough that its
         # exact version compiles in the background (earlier tests call these shapes too).
         built = {o: c for o, c in progs.items()
                  if torch_pjrt._C.serves_sizes(o) and (c[1] or c[0] and not c[2])}
-        assert not built, (sample.name, _sizes(third), built)
+        assert not built, (sample.name, _sizes(last), built)
         served += sum(c[2] for c in progs.values())
     assert served > 0, f"no sample of {name} ran a bucketed program"
 

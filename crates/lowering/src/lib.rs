@@ -60,9 +60,10 @@ pub fn is_no_rule(why: &str) -> bool {
 pub enum Out {
     T(Value),
     List(Vec<Value>),
-    /// A Python int/float/bool return computed on the host side is not a lowering;
-    /// rules that return `None` (an optional tensor) use this.
+    /// An undefined (optional) tensor.
     None,
+    /// An int return the rule knows from the shapes (`SymInt max_q`), not computed.
+    Int(i64),
 }
 
 /// A condition on the op's data that only the device can evaluate (an index in range):

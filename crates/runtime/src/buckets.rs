@@ -2,10 +2,11 @@
 //!
 //! An op's *signature* is its cache key with every tensor reduced to dtype, rank and
 //! storage identity. The first call of a signature compiles the exact program, as always.
-//! When a later call of the same signature differs in a tensor's sizes, strides, offset or
-//! storage size, that tensor becomes *staged* (and the dims that changed *dynamic*), like
-//! torch.compile's automatic dynamic shapes. From then on a call whose exact program is
-//! not cached runs a bucketed program instead:
+//! A dim of a tensor becomes *dynamic* once the signature has seen two different sizes
+//! there that one bucket would serve (17 and 18: a growing cache), like torch.compile's
+//! automatic dynamic shapes; sizes one bucket could not serve together (a static model's
+//! layers: 64, 128, 256 channels) and persistent tensors (parameters) are no reason. From
+//! then on a call whose exact program is not cached runs a bucketed program instead:
 //!
 //! - a staged tensor is a parameter of its logical shape with each dynamic dim padded to its
 //!   bucket (the next power of two, at least 16), filled on the host from the storage (any
@@ -67,22 +68,26 @@ pub(crate) fn bucket(n: i64) -> i64 {
     (n.max(MIN_BUCKET) as u64).next_power_of_two() as i64
 }
 
-#[derive(Clone, PartialEq, Eq)]
-struct Seen {
-    sizes: Vec<i64>,
-    strides: Vec<i64>,
-    offset: i64,
-    nbytes: i64,
+/// The power of two a size rounds up to, as a bit index: two sizes of one class are what a
+/// bucket would serve with one program (sizes below the smallest bucket keep their own
+/// classes here, so that head or batch counts of 2 and 4 stay apart).
+fn class(n: i64) -> u8 {
+    (n.max(1) as u64).next_power_of_two().trailing_zeros() as u8
 }
 
 struct Sig {
-    first: Vec<Seen>,
     /// How often each tensor position has seen each storage: one read by many calls is a
     /// persistent tensor (a parameter), never staged: its sizes differ between call sites
     /// (layers), not over time. An activation is read by a few calls only (q, k and v
     /// projections: three).
     ids: Vec<HashMap<u64, u32>>,
-    staged: Vec<bool>,
+    /// Per tensor position and dim, the distinct sizes seen (the first few), from tensors
+    /// that are not persistent.
+    seen: Vec<Vec<Vec<i64>>>,
+    /// A dim is dynamic once two different sizes of one class, or three of one bucket, were
+    /// seen there: a bucket then serves sizes that otherwise compile apart. Sizes of
+    /// different classes are no reason (a static model's layers: 64, 128, 256 channels;
+    /// 4 query and 2 key/value heads), and neither is a change in layout alone.
     dynamic: Vec<Vec<bool>>,
     /// A bucketed program of this signature failed to compile or lost a dynamic size:
     /// exact programs only.
@@ -107,8 +112,14 @@ impl Staging {
     }
 }
 
-/// The real sizes of a call's new tensors.
-pub(crate) type NewSizes = Arc<Vec<Vec<i64>>>;
+/// The real sizes of a call's new tensors, and its returns as the exact program has them
+/// (an int a rule knows from the shapes would be the bucket's otherwise).
+pub(crate) struct Exact {
+    pub sizes: Vec<Vec<i64>>,
+    pub rets: Vec<crate::exec::RetShape>,
+}
+
+pub(crate) type NewSizes = Arc<Exact>;
 
 #[derive(Default)]
 pub struct Buckets {
@@ -201,32 +212,28 @@ impl Buckets {
         }
         let sig = crate::exec::signature(op, overload, device, params);
         let ts = crate::exec::tensors(params);
-        let seen: Vec<Seen> = ts
-            .iter()
-            .map(|(_, t)| Seen {
-                sizes: t.view.sizes.clone(),
-                strides: t.view.strides.clone(),
-                offset: t.view.offset,
-                nbytes: t.nbytes,
-            })
-            .collect();
         let mut sigs = lock(&self.sigs);
         let Some(s) = sigs.get_mut(&sig) else {
             if sigs.len() >= 1 << 16 {
                 sigs.clear();
             }
-            let n = seen.len();
-            let dynamic = seen.iter().map(|x| vec![false; x.sizes.len()]).collect();
             let ids = ts
                 .iter()
                 .map(|(_, t)| t.storage().map(|s| (s.id, 1)).into_iter().collect())
+                .collect();
+            let seen = ts
+                .iter()
+                .map(|(_, t)| t.view.sizes.iter().map(|n| vec![*n]).collect())
+                .collect();
+            let dynamic = ts
+                .iter()
+                .map(|(_, t)| vec![false; t.view.sizes.len()])
                 .collect();
             sigs.insert(
                 sig,
                 Sig {
                     ids,
-                    first: seen,
-                    staged: vec![false; n],
+                    seen,
                     dynamic,
                     off: false,
                 },
@@ -248,24 +255,35 @@ impl Buckets {
                 persistent[i] = *n >= PERSISTENT;
             }
         }
-        for (i, (now, first)) in seen.iter().zip(&s.first).enumerate() {
-            if now != first && !persistent[i] {
-                s.staged[i] = true;
-                for (d, (a, b)) in now.sizes.iter().zip(&first.sizes).enumerate() {
-                    if a != b {
-                        s.dynamic[i][d] = true;
-                    }
+        for (i, (_, t)) in ts.iter().enumerate() {
+            if persistent[i] {
+                continue;
+            }
+            for (d, n) in t.view.sizes.iter().enumerate() {
+                if *n <= 1 {
+                    continue;
+                }
+                let seen = &mut s.seen[i][d];
+                if seen.contains(n) || s.dynamic[i][d] {
+                    continue;
+                }
+                let same_class = seen.iter().any(|m| class(*m) == class(*n));
+                let same_bucket = seen.iter().filter(|m| bucket(**m) == bucket(*n)).count();
+                if same_class || same_bucket >= 2 {
+                    s.dynamic[i][d] = true;
+                } else if seen.len() < 16 {
+                    seen.push(*n);
                 }
             }
         }
-        if !s.staged.iter().zip(&persistent).any(|(x, p)| *x && !p) {
+        let moving = |i: usize| !persistent[i] && s.dynamic[i].iter().any(|d| *d);
+        if !(0..ts.len()).any(moving) {
             return None;
         }
         let mut staging = Staging {
             staged: HashMap::new(),
             sig,
         };
-        let moving = |i: usize| s.staged[i] && !persistent[i];
         // Duck sizing, as Dynamo's symbolic shapes: a size that is dynamic in one tensor is
         // padded wherever it appears in the call (a contraction's other operand, a broadcast
         // partner, a parameter), so the padded shapes still agree. Without it a call whose
@@ -291,15 +309,27 @@ impl Buckets {
                 .iter()
                 .zip(&s.dynamic[i])
                 // A size of 1 broadcasts: never padded (its own program).
+                // A static size that only equals a dynamic one is padded when padding
+                // changes it (a head size of 20 next to a length of 20), not when it is a
+                // bucket's size already (32 and 32 agree unpadded).
                 .map(|(n, d)| {
-                    (*n != 1 && (*d && moving(i) || sizes.contains(n))).then(|| bucket(*n))
+                    let duck = sizes.contains(n) && bucket(*n) != *n;
+                    (*n != 1 && (*d && moving(i) || duck)).then(|| bucket(*n))
                 })
                 .collect();
             if dims.iter().any(Option::is_some) {
                 staging.staged.insert(*path, dims);
             }
         }
-        Some(staging)
+        // Nothing to pad (the dynamic sizes are 1 here): the exact program.
+        (!staging.staged.is_empty()).then_some(staging)
+    }
+
+    /// Forgets every signature's sizes and the calls per exact shape (programs stay
+    /// cached).
+    pub fn forget(&self) {
+        lock(&self.sigs).clear();
+        lock(&self.sizes).clear();
     }
 
     /// Exact programs only from now on for this signature.
@@ -315,7 +345,7 @@ impl Buckets {
     pub(crate) fn new_sizes(
         &self,
         key: &[u8],
-        f: impl FnOnce() -> Result<Option<Vec<Vec<i64>>>>,
+        f: impl FnOnce() -> Result<Option<Exact>>,
     ) -> Result<Option<(NewSizes, u32)>> {
         if let Some((s, n)) = lock(&self.sizes).get_mut(key) {
             *n = n.saturating_add(1);

@@ -183,6 +183,8 @@ pub(crate) enum RetShape {
     T,
     List(usize),
     None,
+    /// An int the rule knew from the shapes.
+    Int(i64),
 }
 
 /// An executable and, if it was compiled quickly, what its optimized compilation needs.
@@ -382,7 +384,12 @@ pub(crate) fn key_with(
                     || matches!(mode, KeyMode::Bucket(st) if !st.staged.contains_key(&path))
                 {
                     ints(k, &t.view.sizes);
-                    ints(k, &t.view.strides);
+                    // The stride of a size-1 dim addresses nothing: views that differ only
+                    // there (one layer's transposed head and the next's) share a program.
+                    num(k, t.view.strides.len() as i64);
+                    for (n, st) in t.view.sizes.iter().zip(&t.view.strides) {
+                        num(k, if *n == 1 { 0 } else { *st });
+                    }
                     num(k, t.view.offset);
                     num(k, t.nbytes);
                 }
@@ -450,8 +457,12 @@ pub(crate) fn key_with(
         KeyMode::Bucket(_) => b'B',
     });
     let mut slots: Vec<*const Storage> = Vec::new();
+    let unread = lowering::rules::unread_args(op);
     for (i, p) in params.iter().enumerate() {
         text(&mut k, &p.name);
+        if unread.contains(&p.name.as_str()) {
+            continue;
+        }
         if let (KeyMode::Signature, "size", RArg::List(items)) = (mode, p.name.as_str(), &p.arg) {
             // A shape argument follows its tensor's sizes (`buckets::pad_size_args`).
             k.push(b'z');
@@ -633,14 +644,15 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
             }
         },
     };
-    let real = real.as_deref().map(|v| v.as_slice());
+    let rets = real.as_ref().map_or(&prog.rets, |r| &r.rets);
+    let real = real.as_deref().map(|v| v.sizes.as_slice());
     let new = if mode == crate::mode::EagerMode::Strict {
         execute_async(rt, op, &prog, params, device, real)?
     } else {
         execute(rt, op, &prog, params, real)?
     };
     rt.metrics.native(op);
-    Ok(Outcome::Done(returns_of(&prog.rets, params, var, new)))
+    Ok(Outcome::Done(returns_of(rets, params, var, new)))
 }
 
 pub(crate) fn returns_of(
@@ -661,6 +673,7 @@ pub(crate) fn returns_of(
                         rets.extend(it.by_ref().take(*n));
                     }
                     RetShape::None => rets.push(Ret::None),
+                    RetShape::Int(v) => rets.push(Ret::Int(*v)),
                 }
             }
             rets
@@ -1017,6 +1030,7 @@ pub(crate) fn lower_into(
             Out::T(v) => vec![Some(*v)],
             Out::List(vs) => vs.iter().map(|v| Some(*v)).collect(),
             Out::None => vec![None],
+            Out::Int(_) => vec![],
         })
         .collect();
     let mut lowered = Lowered {
@@ -1031,6 +1045,7 @@ pub(crate) fn lower_into(
                 Out::T(_) => RetShape::T,
                 Out::List(v) => RetShape::List(v.len()),
                 Out::None => RetShape::None,
+                Out::Int(v) => RetShape::Int(*v),
             });
         }
         lowered.new = flat_outs.iter().flatten().copied().collect();
@@ -1489,15 +1504,17 @@ fn bucketed(
     };
     let real = rt.buckets.new_sizes(exact_key, || {
         Ok(match plan(op, overload, device, params, var)? {
-            Plan::Done(p) => Some(
-                p.outputs
+            Plan::Done(p) => Some(crate::buckets::Exact {
+                sizes: p
+                    .outputs
                     .iter()
                     .filter_map(|o| match o {
                         Output::New { sizes, .. } => Some(sizes.clone()),
                         _ => None,
                     })
                     .collect(),
-            ),
+                rets: p.rets,
+            }),
             Plan::Declined(_) | Plan::Resize(_) => None,
         })
     })?;

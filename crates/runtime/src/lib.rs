@@ -170,6 +170,8 @@ pub struct Runtime {
     pending: Mutex<Vec<(String, Arc<pjrt::Buffer>)>>,
     /// Compiled graphs' data checks not yet read: (check buffer, error kind, message).
     checks: Mutex<Vec<(Arc<pjrt::Buffer>, ErrorKind, String)>>,
+    /// The plugin is the XLA CPU plugin (`tiers::quick_options`).
+    cpu_plugin: bool,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -243,6 +245,7 @@ pub fn init(search_dirs: &[PathBuf]) -> Result<&'static Runtime> {
         scalars: Mutex::new(std::collections::HashMap::new()),
         pending: Mutex::new(Vec::new()),
         checks: Mutex::new(Vec::new()),
+        cpu_plugin,
     };
     mode::store(mode::from_env());
     let _ = RUNTIME.set(rt);
@@ -503,9 +506,13 @@ impl Runtime {
         }
         let mut key = key;
         if quick {
-            extra.push((tiers::QUICK.into(), pjrt::OptionValue::Int(0)));
+            let options = tiers::quick_options(self.cpu_plugin);
             let mut qk = base.clone();
             qk.extend_from_slice(b"quick");
+            for (name, _) in &options {
+                qk.extend_from_slice(name.as_bytes());
+            }
+            extra.extend(options.into_iter().map(|(n, v)| (n.to_string(), v)));
             key = self.disk.key(mlir, device, &qk);
             if let Some(exe) = key
                 .as_ref()
@@ -564,4 +571,17 @@ pub fn serves_sizes(op: &str) -> bool {
 /// Whether result `k` of `op` is laid out column-major by PyTorch (the shim copies it so).
 pub fn column_major_result(op: &str, k: usize) -> bool {
     lowering::rules::column_major_result(op, k)
+}
+
+/// Whether scaled_dot_product_attention runs its fused entry on these operands (dtype,
+/// sizes each; see `rules::attention::sdpa_fused_ok`).
+pub fn sdpa_fused_ok(
+    q: (DType, &[i64]),
+    k: (DType, &[i64]),
+    v: (DType, &[i64]),
+    mask: Option<(DType, &[i64])>,
+    dropout: f64,
+    enable_gqa: bool,
+) -> bool {
+    lowering::rules::attention::sdpa_fused_ok(q, k, v, mask, dropout, enable_gqa)
 }

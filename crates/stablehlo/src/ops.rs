@@ -217,6 +217,14 @@ impl Builder {
         v
     }
 
+    /// Whether dim `dim` of `x` has a real size below its type's (a padded input's dim,
+    /// `set_dimension_size`, followed through `convert`).
+    pub fn is_dynamic(&self, x: Value, dim: usize) -> bool {
+        self.real_sizes
+            .get(&x)
+            .is_some_and(|r| r.get(dim).is_some_and(Option::is_some))
+    }
+
     /// The number of elements of `x` over `dims`, as a value shaped like `like` (its dtype
     /// and shape): the real sizes of a padded input (`set_dimension_size`, followed through
     /// `convert`), the type's otherwise. MLIR folds `get_dimension_size` of a static type

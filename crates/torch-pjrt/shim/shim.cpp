@@ -19,6 +19,8 @@
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <ATen/native/CPUFallback.h>
 #include <ATen/native/Resize.h>
+#include <ATen/native/transformers/attention.h>
+#include <ATen/SDPBackend.h>
 #include <ATen/ops/_reshape_alias_native.h>
 #include <ATen/ops/as_strided_native.h>
 #include <ATen/ops/unfold_native.h>
@@ -1378,6 +1380,38 @@ void register_boxed_locked(const std::string& full) {
   g_boxed.insert(p.key);
 }
 
+// scaled_dot_product_attention asks each device which kernel to run. Rust decides whether
+// the fused entry (one op, lowered with its backward) fits; otherwise PyTorch's math path
+// runs (and raises its own errors). Fake tensors reach here under torch.compile: only
+// dtypes and sizes are read, and symbolic sizes keep the math path.
+int64_t tpu_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const std::optional<at::Tensor>& mask, double dropout, bool /*is_causal*/,
+                       std::optional<double> /*scale*/, bool enable_gqa) {
+  auto& ctx = at::globalContext();
+  const auto math = static_cast<int64_t>(ctx.userEnabledMathSDP() ? at::SDPBackend::math : at::SDPBackend::error);
+  if (!ctx.userEnabledOverrideableSDP()) return math;
+  std::vector<std::vector<int64_t>> sizes;
+  auto meta = [&](const at::Tensor& t, TpuTensor& d) {
+    std::vector<int64_t> s;
+    for (const c10::SymInt& n : t.sym_sizes()) {
+      auto i = n.maybe_as_int();
+      if (!i) return false;
+      s.push_back(*i);
+    }
+    sizes.push_back(std::move(s));
+    std::memset(&d, 0, sizeof d);
+    d.dtype = static_cast<int32_t>(t.scalar_type());
+    d.ndim = static_cast<int32_t>(t.dim());
+    return true;
+  };
+  TpuTensor d[4];
+  const bool has_mask = mask.has_value() && mask->defined();
+  if (!meta(q, d[0]) || !meta(k, d[1]) || !meta(v, d[2]) || (has_mask && !meta(*mask, d[3]))) return math;
+  for (size_t i = 0; i < sizes.size(); ++i) d[i].sizes = sizes[i].data();
+  const bool fused = tpu_rs_sdpa_fused(&d[0], &d[1], &d[2], has_mask ? &d[3] : nullptr, dropout, enable_gqa) != 0;
+  return fused ? static_cast<int64_t>(at::SDPBackend::overrideable) : math;
+}
+
 void init_locked() {
   // Another PrivateUse1 backend (or a second copy of this library) owns the
   // hooks already; registering again would terminate the process.
@@ -1424,6 +1458,7 @@ void init_locked() {
   // Composite kernels that call a CPU/CUDA-only DispatchStub.
   register_boxed_locked("conj_physical_");
   register_boxed_locked("_conj_physical");
+  at::native::_fused_sdp_choice_stub.set_privateuse1_dispatch_ptr(&tpu_sdp_choice);
 
   static torch::Library* fallback =
       new torch::Library(torch::Library::IMPL, "_", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);

@@ -178,6 +178,10 @@ int32_t tpu_rs_event_elapsed(void* start, void* end, double* ms, TpuError* err);
 // _local_scalar_dense: the single element, as int64 / double / bool by dtype.
 int32_t tpu_rs_item(const TpuTensor* t, TpuRet* out, TpuError* err);
 int32_t tpu_rs_device_count(void);
+// 1 when scaled_dot_product_attention should take its fused entry for these operands
+// (only dtype, ndim and sizes are read); mask may be NULL.
+int32_t tpu_rs_sdpa_fused(const TpuTensor* q, const TpuTensor* k, const TpuTensor* v, const TpuTensor* mask,
+                          double dropout, int32_t enable_gqa);
 
 // The device trace behind the Kineto plugin (kineto.cpp): start recording; wait for queued
 // work, stop and hand each program run to `emit` (times: wall-clock ns since 1970).

@@ -655,3 +655,54 @@ pub unsafe extern "C" fn tpu_rs_fallback_begin(op_name: *const c_char, err: *mut
         1
     }
 }
+
+/// A tensor's dtype and sizes (None: a dtype the device lacks).
+///
+/// # Safety
+/// `t` points at a tensor whose `sizes` hold `ndim` entries.
+unsafe fn dtype_and_sizes<'a>(t: *const TpuTensor) -> Option<(runtime::DType, &'a [i64])> {
+    // SAFETY: the caller's contract.
+    let t = unsafe { &*t };
+    let sizes = if t.ndim > 0 {
+        // SAFETY: `sizes` holds `ndim` entries.
+        unsafe { std::slice::from_raw_parts(t.sizes, t.ndim as usize) }
+    } else {
+        &[]
+    };
+    dtype_from_c10(t.dtype).map(|d| (d, sizes))
+}
+
+/// Whether scaled_dot_product_attention takes its fused entry for these operands (see
+/// `lowering::rules::attention::sdpa_fused_ok`); only dtypes and sizes are read, so fake
+/// tensors work too. `mask` may be null.
+///
+/// # Safety
+/// `q`, `k`, `v` point at tensors whose `sizes` hold `ndim` entries; `mask` too, or is null.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_sdpa_fused(
+    q: *const TpuTensor,
+    k: *const TpuTensor,
+    v: *const TpuTensor,
+    mask: *const TpuTensor,
+    dropout: f64,
+    enable_gqa: i32,
+) -> i32 {
+    catch_unwind(|| {
+        // SAFETY: the caller's contract; `mask` is read only when not null.
+        let (q, k, v) = unsafe { (dtype_and_sizes(q), dtype_and_sizes(k), dtype_and_sizes(v)) };
+        let (Some(q), Some(k), Some(v)) = (q, k, v) else {
+            return 0;
+        };
+        let m = if mask.is_null() {
+            None
+        } else {
+            // SAFETY: as above.
+            match unsafe { dtype_and_sizes(mask) } {
+                None => return 0,
+                m => m,
+            }
+        };
+        runtime::sdpa_fused_ok(q, k, v, m, dropout, enable_gqa != 0) as i32
+    })
+    .unwrap_or(0)
+}

@@ -392,6 +392,14 @@ fn shape_buckets() -> bool {
     runtime::buckets::enabled()
 }
 
+/// Forgets the sizes each op was called with (which dims change): the tests start a
+/// sequence of sizes from a known state.
+#[pyfunction]
+fn forget_shape_history() -> PyResult<()> {
+    rt()?.buckets.forget();
+    Ok(())
+}
+
 #[pyfunction]
 fn reset_metrics() -> PyResult<()> {
     rt()?.metrics.reset();
@@ -521,6 +529,7 @@ fn _C(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reset_metrics, m)?)?;
     m.add_function(wrap_pyfunction!(set_shape_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(shape_buckets, m)?)?;
+    m.add_function(wrap_pyfunction!(forget_shape_history, m)?)?;
     m.add_function(wrap_pyfunction!(wait_background, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown_background, m)?)?;
     m.add_function(wrap_pyfunction!(lowered_ops, m)?)?;

@@ -1,5 +1,6 @@
-//! Attention: the CPU flash-attention entry points of scaled_dot_product_attention,
-//! forward and backward, and nn.MultiheadAttention's inference fast path.
+//! Attention: scaled_dot_product_attention's fused entry for backends (the choice of it,
+//! forward and backward), the CPU flash-attention entry points, forward and backward, and
+//! nn.MultiheadAttention's inference fast path.
 
 use super::nn_common::*;
 use super::opmath;
@@ -19,15 +20,93 @@ struct Sdpa {
     v: TensorArg,
     mask: Option<TensorArg>,
     causal: bool,
-    scale: f64,
+    scale: Scale,
     rep: i64,
 }
 
-fn sdpa_args(c: &Ctx) -> LResult<Sdpa> {
+/// The scores' scale: given (or 1/sqrt of a known head size), or 1/sqrt of the real head
+/// size of a padded program.
+#[derive(Clone, Copy)]
+enum Scale {
+    Given(f64),
+    RealHeadSize,
+}
+
+/// `x * scale`.
+fn scaled(b: &mut Builder, x: Value, a: &Sdpa) -> Value {
+    let sc = match a.scale {
+        Scale::Given(s) => b.splat(x, s),
+        Scale::RealHeadSize => {
+            let n = b.count(a.q.value, &[3], x);
+            b.rsqrt(n)
+        }
+    };
+    b.mul(x, sc)
+}
+
+/// Whether a mask of `m` dims broadcasts to the [B, H, L, S] scores.
+fn mask_broadcasts(m: &[i64], scores: [i64; 4]) -> bool {
+    m.len() <= 4
+        && m.iter()
+            .zip(&scores[4 - m.len()..])
+            .all(|(d, s)| *d == 1 || d == s)
+}
+
+/// Whether batch, head and length counts of [B, H, L, E] operands fit attention (`rep`
+/// query heads per key/value head), nothing empty.
+fn heads_fit(qs: &[i64], ks: &[i64], vs: &[i64]) -> bool {
+    ks[0] == qs[0]
+        && vs[0] == qs[0]
+        && ks[1] == vs[1]
+        && ks[2] == vs[2]
+        && ks[1] != 0
+        && qs[1] % ks[1] == 0
+        && numel(qs) != 0
+        && numel(ks) != 0
+}
+
+/// Whether `scaled_dot_product_attention` runs its fused entry
+/// (`_scaled_dot_product_fused_attention_overrideable`, one op with its own backward) for
+/// these operands, rather than its math decomposition (nine ops): float32 or half 4-d
+/// operands of one dtype and head size, matching batch and head counts (grouped heads only
+/// under `enable_gqa`), no dropout, and a mask that is boolean or of the query's dtype and
+/// broadcasts to the scores. Anything else keeps PyTorch's math path and its errors.
+pub fn sdpa_fused_ok(
+    q: (DType, &[i64]),
+    k: (DType, &[i64]),
+    v: (DType, &[i64]),
+    mask: Option<(DType, &[i64])>,
+    dropout: f64,
+    enable_gqa: bool,
+) -> bool {
+    let (dt, qs, ks, vs) = (q.0, q.1, k.1, v.1);
+    if !matches!(dt, DType::F32 | DType::BF16 | DType::F16) || k.0 != dt || v.0 != dt {
+        return false;
+    }
+    if [qs, ks, vs].iter().any(|s| s.len() != 4) || dropout != 0.0 {
+        return false;
+    }
+    if ks[3] != qs[3] || vs[3] != qs[3] || !heads_fit(qs, ks, vs) {
+        return false;
+    }
+    if ks[1] != qs[1] && !enable_gqa {
+        return false;
+    }
+    match mask {
+        None => true,
+        Some((mdt, ms)) => {
+            (mdt == DType::Bool || mdt == dt) && mask_broadcasts(ms, [qs[0], qs[1], qs[2], ks[2]])
+        }
+    }
+}
+
+/// The attention arguments, the mask under `mask_name`; `fused` is the backends' entry,
+/// whose mask may have any rank that broadcasts (the CPU flash kernel takes 2 or 4).
+fn sdpa_args(c: &Ctx, mask_name: &str, fused: bool) -> LResult<Sdpa> {
     let q = tensor(c, "query")?;
     let k = tensor(c, "key")?;
     let v = tensor(c, "value")?;
-    let mask = c.args.opt_tensor("attn_mask").cloned();
+    let mask = c.args.opt_tensor(mask_name).cloned();
     let err = |m: String| user_err(ErrorKind::Runtime, format!("{SDPA}: {m}"));
     if !q.dtype.is_float() {
         return err(format!(
@@ -48,16 +127,11 @@ fn sdpa_args(c: &Ctx) -> LResult<Sdpa> {
         if m.dtype != q.dtype {
             return err("Attention mask is the same data type as query".into());
         }
-        if m.shape.len() != 2 && m.shape.len() != 4 {
+        if !fused && m.shape.len() != 2 && m.shape.len() != 4 {
             return err("Attention mask dim in {2, 4}".into());
         }
         let full = [q.shape[0], q.shape[1], q.shape[2], k.shape[2]];
-        let off = 4 - m.shape.len();
-        if m.shape
-            .iter()
-            .enumerate()
-            .any(|(i, d)| *d != 1 && *d != full[off + i])
-        {
+        if !mask_broadcasts(&m.shape, full) {
             return decline("attention mask does not broadcast");
         }
     }
@@ -74,21 +148,20 @@ fn sdpa_args(c: &Ctx) -> LResult<Sdpa> {
         }
     }
     let (qs, ks, vs) = (&q.shape, &k.shape, &v.shape);
-    if ks[0] != qs[0]
-        || vs[0] != qs[0]
-        || ks[1] != vs[1]
-        || ks[2] != vs[2]
-        || ks[1] == 0
-        || qs[1] % ks[1] != 0
-        || [qs, ks].iter().any(|s| numel(s) == 0)
-    {
+    if !heads_fit(qs, ks, vs) {
         // The CPU kernel reads out of bounds for mismatched batch or head counts.
         return decline("attention: batch, head or length mismatch, or empty input");
     }
-    let scale = c
-        .args
-        .opt_float("scale")
-        .unwrap_or(1.0 / (qs[3] as f64).sqrt());
+    let scale = match c.args.opt_float("scale") {
+        Some(s) => Scale::Given(s),
+        // A padded head size (shape buckets) is not the real one.
+        None if c.b.is_dynamic(q.value, 3) => Scale::RealHeadSize,
+        None => Scale::Given(1.0 / (qs[3] as f64).sqrt()),
+    };
+    if qs[1] != ks[1] && (c.b.is_dynamic(q.value, 1) || c.b.is_dynamic(k.value, 1)) {
+        // Grouped heads regroup the head dims: padded, the groups would be the bucket's.
+        return decline("attention: grouped heads padded");
+    }
     Ok(Sdpa {
         rep: qs[1] / ks[1],
         causal: c.args.bool_or("is_causal", false),
@@ -139,8 +212,7 @@ fn sdpa_scores(b: &mut Builder, a: &Sdpa) -> (Value, Value, Value, Value) {
     let k = sdpa_heads(b, k, a.rep);
     let v = sdpa_heads(b, v, a.rep);
     let s = b.dot_general(q, k, (&[0, 1], &[0, 1]), (&[3], &[3]), cd);
-    let sc = b.splat(s, a.scale);
-    let mut s = b.mul(s, sc);
+    let mut s = scaled(b, s, a);
     let shape = b.shape(s);
     if let Some(m) = &a.mask {
         let mv = b.convert(m.value, cd);
@@ -171,13 +243,11 @@ fn shifted_exp(b: &mut Builder, s: Value) -> (Value, Value, Value) {
     (b.exp(d), m, empty)
 }
 
-/// `_scaled_dot_product_flash_attention_for_cpu`: (output, logsumexp). Rows masked out
-/// entirely give zeros and a logsumexp of 0, as the CPU kernel returns.
-fn sdpa_flash(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let a = sdpa_args(c)?;
-    let b = &mut *c.b;
+/// Attention's output and logsumexp (opmath). Rows masked out entirely give zeros and a
+/// logsumexp of 0, as the CPU kernel returns.
+fn sdpa_forward(b: &mut Builder, a: &Sdpa) -> (Value, Value) {
     let dt = a.q.dtype;
-    let (s, _, _, v) = sdpa_scores(b, &a);
+    let (s, _, _, v) = sdpa_scores(b, a);
     let (p, m, empty) = shifted_exp(b, s);
     let z = b.splat(m, 0.0);
     let l = b.reduce(p, &[3], ReduceKind::Sum);
@@ -193,21 +263,56 @@ fn sdpa_flash(c: &mut Ctx) -> LResult<Vec<Out>> {
     let o = b.select(eb, zo, o);
     let ll = b.log(lsafe);
     let lse = b.add(m, ll);
-    let lse = b.select(empty, z, lse);
-    Ok(vec![Out::T(b.convert(o, dt)), Out::T(lse)])
+    (o, b.select(empty, z, lse))
 }
 
-/// `_scaled_dot_product_flash_attention_for_cpu_backward`: (grad_query, grad_key,
-/// grad_value) from the probabilities rebuilt with the saved logsumexp.
-fn sdpa_flash_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
-    let a = sdpa_args(c)?;
+/// `_scaled_dot_product_flash_attention_for_cpu`: (output, logsumexp).
+fn sdpa_flash(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = sdpa_args(c, "attn_mask", false)?;
+    let b = &mut *c.b;
+    let (o, lse) = sdpa_forward(b, &a);
+    Ok(vec![Out::T(b.convert(o, a.q.dtype)), Out::T(lse)])
+}
+
+/// A 0-d int64 zero: the fused entry's random-state outputs (no dropout).
+fn no_philox(b: &mut Builder) -> Out {
+    Out::T(b.constant(DType::I64, 0.0))
+}
+
+/// `_scaled_dot_product_fused_attention_overrideable`: (output, logsumexp (float32),
+/// cum_seq_q, cum_seq_k (undefined: no nested tensors), max_q, max_k, philox seed and
+/// offset (zeros: no dropout), debug mask (undefined)), as PyTorch's meta function says.
+fn sdpa_fused(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = sdpa_args(c, "attn_bias", true)?;
+    if c.args.bool_or("return_debug_mask", false) {
+        return decline("attention: debug mask");
+    }
+    let b = &mut *c.b;
+    let (o, lse) = sdpa_forward(b, &a);
+    let (lq, lk) = (a.q.shape[2], a.k.shape[2]);
+    Ok(vec![
+        Out::T(b.convert(o, a.q.dtype)),
+        Out::T(b.convert(lse, DType::F32)),
+        Out::None,
+        Out::None,
+        Out::Int(lq),
+        Out::Int(lk),
+        no_philox(b),
+        no_philox(b),
+        Out::None,
+    ])
+}
+
+/// Attention's gradients (query, key, value, and the score gradient before scaling, which
+/// is the additive mask's) from the probabilities rebuilt with the saved logsumexp.
+fn sdpa_grads(c: &mut Ctx, a: &Sdpa) -> LResult<[Value; 4]> {
     let go = tensor(c, "grad_out")?;
     let out = tensor(c, "out")?;
     let lse = tensor(c, "logsumexp")?;
     let b = &mut *c.b;
     let dt = a.q.dtype;
     let cd = opmath(dt);
-    let (s, q, k, v) = sdpa_scores(b, &a);
+    let (s, q, k, v) = sdpa_scores(b, a);
     let shape = b.shape(s);
     let (bq, hq, lq) = (shape[0], shape[1], shape[2]);
     if go.shape != a.q.shape || out.shape != a.q.shape || lse.shape != [bq, hq, lq] {
@@ -230,17 +335,58 @@ fn sdpa_flash_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let dsr = sdpa_round(b, ds, dt);
     let dq = b.dot_general(dsr, k, (&[0, 1], &[0, 1]), (&[3], &[2]), cd);
     let dk = b.dot_general(dsr, q, (&[0, 1], &[0, 1]), (&[2], &[2]), cd);
-    let sc = b.splat(dq, a.scale);
-    let dq = b.mul(dq, sc);
-    let sk = b.splat(dk, a.scale);
-    let dk = b.mul(dk, sk);
+    let dq = scaled(b, dq, a);
+    let dk = scaled(b, dk, a);
     let dk = sdpa_unheads(b, dk, a.rep);
     let dv = sdpa_unheads(b, dv, a.rep);
-    Ok(vec![
-        Out::T(b.convert(dq, dt)),
-        Out::T(b.convert(dk, dt)),
-        Out::T(b.convert(dv, dt)),
-    ])
+    Ok([dq, dk, dv, ds])
+}
+
+/// `_scaled_dot_product_flash_attention_for_cpu_backward`: (grad_query, grad_key,
+/// grad_value).
+fn sdpa_flash_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = sdpa_args(c, "attn_mask", false)?;
+    let [dq, dk, dv, _] = sdpa_grads(c, &a)?;
+    let (b, dt) = (&mut *c.b, a.q.dtype);
+    Ok([dq, dk, dv]
+        .map(|g| Out::T(b.convert(g, dt)))
+        .into_iter()
+        .collect())
+}
+
+/// `_scaled_dot_product_fused_attention_overrideable_backward`: (grad_query, grad_key,
+/// grad_value, grad_attn_bias); the bias's gradient is the score gradient summed over the
+/// dims the bias broadcast along, when `grad_input_mask` asks for it.
+fn sdpa_fused_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let a = sdpa_args(c, "attn_bias", true)?;
+    let want = c.args.bools("grad_input_mask")?;
+    let [dq, dk, dv, ds] = sdpa_grads(c, &a)?;
+    let (b, dt) = (&mut *c.b, a.q.dtype);
+    let mut outs: Vec<Out> = [dq, dk, dv]
+        .into_iter()
+        .zip(&want)
+        .map(|(g, w)| {
+            if *w {
+                Out::T(b.convert(g, dt))
+            } else {
+                Out::None
+            }
+        })
+        .collect();
+    outs.push(match &a.mask {
+        Some(m) if want.get(3) == Some(&true) => {
+            let off = 4 - m.shape.len();
+            let dims: Vec<i64> = (0..4)
+                .filter(|d| *d < off || m.shape[d - off] == 1)
+                .map(|d| d as i64)
+                .collect();
+            let g = b.reduce(ds, &dims, ReduceKind::Sum);
+            let g = b.reshape(g, &m.shape);
+            Out::T(b.convert(g, m.dtype))
+        }
+        _ => Out::None,
+    });
+    Ok(outs)
 }
 
 /// `x @ w[rows]^T + bias[rows]`: one of the packed projections of `[3E, E]` / `[3E]`.
@@ -401,4 +547,28 @@ pub const RULES: &[(&str, Rule)] = &[
         "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
         sdpa_flash_backward,
     ),
+    (
+        "aten::_scaled_dot_product_fused_attention_overrideable",
+        sdpa_fused,
+    ),
+    (
+        "aten::_scaled_dot_product_fused_attention_overrideable_backward",
+        sdpa_fused_backward,
+    ),
+];
+
+/// Arguments the rules never read, left out of program keys: the fused backward's max
+/// lengths are sizes (a new one per length would be a new program) it takes from its
+/// tensors instead.
+pub const UNREAD_ARGS: &[(&str, &[&str])] = &[(
+    "aten::_scaled_dot_product_fused_attention_overrideable_backward",
+    &["max_q", "max_k"],
+)];
+
+/// The ops of this family whose programs may serve a range of sizes (see
+/// `super::serves_sizes`): the scores' reductions and contractions are masked by XLA's
+/// padder, the default scale takes the real head size, grouped heads decline when padded.
+pub const SERVES_SIZES: &[&str] = &[
+    "aten::_scaled_dot_product_fused_attention_overrideable",
+    "aten::_scaled_dot_product_fused_attention_overrideable_backward",
 ];

@@ -118,11 +118,16 @@ pub fn claimed() -> Vec<&'static str> {
     let explicit = [
         "aten::native_layer_norm",
         "aten::native_group_norm",
+        "aten::_fused_rms_norm",
+        "aten::_fused_rms_norm_backward",
         "aten::_native_batch_norm_legit_no_training",
         "aten::narrow_copy",
         "aten::addr",
         // Its composite kernel reads the offsets on the host and slices.
         "aten::_grouped_mm",
+        // PyTorch's defaults raise: they are backends' entries of scaled_dot_product_attention.
+        "aten::_scaled_dot_product_fused_attention_overrideable",
+        "aten::_scaled_dot_product_fused_attention_overrideable_backward",
     ];
     let mut v: Vec<&str> = explicit
         .into_iter()
@@ -159,8 +164,9 @@ pub fn outs_exclude_each_other(op: &str) -> Option<&'static str> {
     }
 }
 
-fn sized_families() -> [&'static [&'static str]; 9] {
+fn sized_families() -> [&'static [&'static str]; 10] {
     [
+        attention::SERVES_SIZES,
         pointwise::SERVES_SIZES,
         normalization::SERVES_SIZES,
         special::SERVES_SIZES,
@@ -185,6 +191,15 @@ pub fn serves_sizes(op: &str) -> bool {
     static SET: OnceLock<std::collections::HashSet<&'static str>> = OnceLock::new();
     SET.get_or_init(|| sized_families().concat().into_iter().collect())
         .contains(op.trim_end_matches('_'))
+}
+
+/// Arguments of `op` its rule never reads (see each family's `UNREAD_ARGS`): program keys
+/// leave them out.
+pub fn unread_args(op: &str) -> &'static [&'static str] {
+    attention::UNREAD_ARGS
+        .iter()
+        .find(|(o, _)| *o == op)
+        .map_or(&[], |(_, a)| a)
 }
 
 /// Results PyTorch lays out column-major in their last two dims (LAPACK's layout), by

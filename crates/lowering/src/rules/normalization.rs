@@ -1,6 +1,6 @@
 //! Normalization rules: batch norm (training and inference, with running stats), layer
-//! norm, group norm, weight norm, forward and backward. Reduced-precision inputs compute in
-//! f32.
+//! norm, RMS norm, group norm, weight norm, forward and backward. Reduced-precision inputs
+//! compute in f32.
 
 use super::nn_common::*;
 use super::opmath;
@@ -338,6 +338,102 @@ fn normalize(b: &mut Builder, x: Value, dims: &[i64], eps: f64) -> (Value, Value
     (b.mul(d, rb), mean, rstd)
 }
 
+/// RMS norm's input, normalized dims, weight and the opmath type (weight and input of one
+/// dtype: rms_norm runs its composite otherwise).
+fn rms_norm_args(c: &Ctx, op: &str) -> LResult<(TensorArg, Vec<i64>, Option<TensorArg>, DType)> {
+    let x = tensor(c, "input")?;
+    let ns = normalized_shape(c, &x)?;
+    let w = c.args.opt_tensor("weight").cloned();
+    float_input(&x, op)?;
+    if w.as_ref().is_some_and(|w| w.dtype != x.dtype) {
+        return decline(format!("{op}: weight of another dtype"));
+    }
+    let axis = layer_norm_axis(&x, &ns, w.as_ref(), None)?;
+    let dims = (axis as i64..x.shape.len() as i64).collect();
+    let cd = opmath(x.dtype);
+    Ok((x, dims, w, cd))
+}
+
+/// `_fused_rms_norm`, what rms_norm calls: `x * rsqrt(mean(x^2) + eps) [* weight]` over the
+/// normalized dims in opmath, rounded once, and the rstd (opmath, reduced dims kept), as
+/// PyTorch's composite computes them; eps defaults to the opmath type's epsilon.
+fn rms_norm(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let (x, dims, w, cd) = rms_norm_args(c, "rms_norm")?;
+    let eps = c.args.opt_float("eps").unwrap_or(match cd {
+        DType::F64 => f64::EPSILON,
+        _ => f32::EPSILON as f64,
+    });
+    let b = &mut *c.b;
+    let xv = b.convert(x.value, cd);
+    let x2 = b.mul(xv, xv);
+    let s = super::reduce::sum_keep(b, x2, &dims);
+    let nn = b.count(xv, &dims, s);
+    let ms = b.div(s, nn);
+    let e = b.splat(ms, eps);
+    let ms = b.add(ms, e);
+    let rstd = b.rsqrt(ms);
+    let rb = b.broadcast_to(rstd, &x.shape);
+    let mut y = b.mul(xv, rb);
+    if let Some(w) = &w {
+        let wv = b.convert(w.value, cd);
+        let wb = b.broadcast_to(wv, &x.shape);
+        y = b.mul(y, wb);
+    }
+    Ok(vec![Out::T(b.convert(y, x.dtype)), Out::T(rstd)])
+}
+
+/// `_fused_rms_norm_backward`: with `xhat = x * rstd` and `gw = grad * weight`,
+/// `dx = rstd * (gw - xhat * mean(gw * xhat))` over the normalized dims and
+/// `dweight = sum(grad * xhat)` over the others, in opmath.
+fn rms_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let (x, dims, w, cd) = rms_norm_args(c, "rms_norm_backward")?;
+    let gy = tensor(c, "grad_out")?;
+    let rstd = tensor(c, "rstd")?;
+    let mask = c.args.bools("output_mask")?;
+    let kept = reduced_shape(&x.shape, &dims, true);
+    if gy.shape != x.shape || mask.len() != 2 || numel(&rstd.shape) != numel(&kept) {
+        return decline("rms_norm_backward: unsupported shapes");
+    }
+    let batch_dims: Vec<i64> = (0..dims[0]).collect();
+    let b = &mut *c.b;
+    let xv = b.convert(x.value, cd);
+    let g = b.convert(gy.value, cd);
+    let rv = b.convert(rstd.value, cd);
+    let rv = b.reshape(rv, &kept);
+    let rb = b.broadcast_to(rv, &x.shape);
+    let xhat = b.mul(xv, rb);
+    let dx = if mask[0] {
+        let gw = match &w {
+            Some(w) => {
+                let wv = b.convert(w.value, cd);
+                let wb = b.broadcast_to(wv, &x.shape);
+                b.mul(g, wb)
+            }
+            None => g,
+        };
+        let gx = b.mul(gw, xhat);
+        let s = super::reduce::sum_keep(b, gx, &dims);
+        let nn = b.count(xv, &dims, s);
+        let m = b.div(s, nn);
+        let m = b.broadcast_to(m, &x.shape);
+        let p = b.mul(xhat, m);
+        let t = b.sub(gw, p);
+        let dx = b.mul(t, rb);
+        Out::T(b.convert(dx, x.dtype))
+    } else {
+        Out::None
+    };
+    let dw = match (&w, mask[1]) {
+        (Some(w), true) => {
+            let gx = b.mul(g, xhat);
+            let dw = b.reduce(gx, &batch_dims, ReduceKind::Sum);
+            Out::T(b.convert(dw, w.dtype))
+        }
+        _ => Out::None,
+    };
+    Ok(vec![dx, dw])
+}
+
 /// Group norm's (N, C, HxW, group) arguments.
 fn group_sizes(c: &Ctx) -> LResult<(i64, i64, i64, i64)> {
     let a = &c.args;
@@ -664,6 +760,8 @@ fn weight_norm_interface_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
 pub const SERVES_SIZES: &[&str] = &[
     "aten::native_layer_norm",
     "aten::native_layer_norm_backward",
+    "aten::_fused_rms_norm",
+    "aten::_fused_rms_norm_backward",
 ];
 
 pub const RULES: &[(&str, Rule)] = &[
@@ -675,6 +773,8 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::batch_norm_backward", batch_norm_backward),
     ("aten::native_layer_norm", layer_norm),
     ("aten::native_layer_norm_backward", layer_norm_backward),
+    ("aten::_fused_rms_norm", rms_norm),
+    ("aten::_fused_rms_norm_backward", rms_norm_backward),
     ("aten::native_group_norm", group_norm),
     ("aten::native_group_norm_backward", group_norm_backward),
     ("aten::_weight_norm_interface", weight_norm_interface),
