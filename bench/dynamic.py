@@ -3,9 +3,14 @@ empty compilation cache, CPU eager measured alongside:
 
 - greedy generation from bench/models.py's 2-layer Llama-style model with a growing
   key/value cache: the first call's time (compilation included), a second call with a prompt
-  of another length, the compilations of each, the ratio to CPU eager;
+  of another length, the compilations of each, the ratio to CPU eager, and the warm time
+  per token once both are done (median of five generations, after generations that make
+  no program hot: no background compilation runs meanwhile);
 - GPT training (bench/models.py, AdamW, batch 8) for ``--steps`` steps whose sequence length
   is drawn from 16 to 256 (seeded): total time including every compilation, against CPU eager.
+
+Configurations: Strict and DeferAndFuse, each with shape buckets and with exact programs
+(DeferAndFuse with exact programs only with ``--exact-defer``: one graph per token length).
 
     python bench/dynamic.py [--tokens 128] [--steps 1000] [--runs 1]   # 0 skips a part
 """
@@ -13,6 +18,7 @@ empty compilation cache, CPU eager measured alongside:
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -20,17 +26,25 @@ import tempfile
 from harness import describe
 
 WORKER = r"""
-import json, sys, time, torch
+import json, statistics, sys, time, torch
 sys.path.insert(0, sys.argv[1])
 from models import Llama
 tokens, where = int(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
 m = Llama().eval()
 a, b = torch.randint(0, 256, (1, 16)), torch.randint(0, 256, (1, 23))
+
+def warm(gen, ids):
+    times = []
+    for _ in range(5):
+        t = time.perf_counter(); gen(ids); times.append(time.perf_counter() - t)
+    return statistics.median(times) / tokens * 1e3
+
 if where == "cpu":
     t = time.perf_counter(); m.generate(a, tokens); first = time.perf_counter() - t
     t = time.perf_counter(); m.generate(b, tokens); second = time.perf_counter() - t
-    print(json.dumps(dict(first=first, second=second)))
+    print(json.dumps(dict(first=first, second=second,
+                          warm=warm(lambda ids: m.generate(ids, tokens), a))))
     sys.exit()
 import torch_pjrt
 torch_pjrt.set_shape_buckets(where == "buckets")
@@ -43,7 +57,18 @@ def run(ids):
     assert torch.equal(out, m.generate(ids, tokens)), "tokens differ from the CPU's"
     return dt, torch_pjrt.metrics()["compilations"]
 (f, fc), (s, sc) = run(a), run(b)
-print(json.dumps(dict(first=f, second=s, first_compiles=fc, second_compiles=sc)))
+at = a.to("tpu")
+# Warm: generations until one makes no program hot (their optimized versions compile in
+# the background and would run during the measurement).
+for _ in range(8):
+    torch_pjrt.wait_background()
+    torch_pjrt.reset_metrics()
+    mt.generate(at, tokens).cpu()
+    torch_pjrt.wait_background()
+    if torch_pjrt.metrics()["background_compilations"] == 0:
+        break
+w = warm(lambda ids: mt.generate(ids, tokens).cpu(), at)
+print(json.dumps(dict(first=f, second=s, first_compiles=fc, second_compiles=sc, warm=w)))
 """
 
 
@@ -79,6 +104,22 @@ if where != "cpu":
 print(json.dumps(out))
 """
 
+MODES = {"Strict": "0", "DeferAndFuse": "1"}
+
+
+def worker(script, here, n, where, mode):
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache,
+                   TORCH_TPU_DEFER_AND_FUSE=MODES.get(mode, "0"))
+        out = subprocess.run([sys.executable, "-c", script, here, str(n), where],
+                             capture_output=True, text=True, check=True, env=env)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def span(xs, fmt):
+    return fmt.format(statistics.median(xs)) + (
+        f" ({fmt.format(min(xs))}-{fmt.format(max(xs))})" if len(xs) > 1 else "")
+
 
 def main():
     ap = argparse.ArgumentParser()
@@ -87,49 +128,50 @@ def main():
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--train-exact", action="store_true",
                     help="also train with exact programs (one set per length: slow)")
+    ap.add_argument("--exact-defer", action="store_true",
+                    help="also generate in DeferAndFuse with exact programs (slow)")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
-    print(f"# {describe()}; {args.tokens} new tokens, prompts of 16 then 23")
-    for where in ("cpu", "buckets", "exact") if args.tokens > 0 else ():
-        for _ in range(args.runs):
-            with tempfile.TemporaryDirectory() as cache:
-                env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache)
-                out = subprocess.run(
-                    [sys.executable, "-c", WORKER, here, str(args.tokens), where],
-                    capture_output=True, text=True, check=True, env=env,
-                )
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            if where == "cpu":
-                cpu = r
-                print(f"cpu eager: first {r['first']:.3f} s, second {r['second']:.3f} s")
-                continue
-            print(
-                f"tpu Strict, {where}: first {r['first']:.2f} s ({r['first_compiles']} "
-                f"compilations, {r['first'] / cpu['first']:.0f}x CPU), second "
-                f"{r['second']:.2f} s ({r['second_compiles']} compilations, "
-                f"{r['second'] / cpu['second']:.1f}x CPU)"
-            )
+    print(f"# {describe()}; {args.tokens} new tokens, prompts of 16 then 23; "
+          f"median (range) over {args.runs} run(s)")
+    configs = [("cpu", "CPU eager"), ("buckets", "Strict"), ("exact", "Strict"),
+               ("buckets", "DeferAndFuse")]
+    if args.exact_defer:
+        configs.append(("exact", "DeferAndFuse"))
+    cpu = None
+    for where, mode in configs if args.tokens > 0 else ():
+        rs = [worker(WORKER, here, args.tokens, where, mode) for _ in range(args.runs)]
+        first, second, warm = ([r[k] for r in rs] for k in ("first", "second", "warm"))
+        if where == "cpu":
+            cpu = {k: statistics.median(v) for k, v in
+                   (("first", first), ("second", second), ("warm", warm))}
+            print(f"CPU eager: first {span(first, '{:.3f}')} s, second "
+                  f"{span(second, '{:.3f}')} s, warm {span(warm, '{:.2f}')} ms/token")
+            continue
+        fc, sc = (rs[0][k] for k in ("first_compiles", "second_compiles"))
+        print(f"tpu {mode}, {where}: first {span(first, '{:.2f}')} s ({fc} compilations, "
+              f"{statistics.median(first) / cpu['first']:.0f}x CPU), second "
+              f"{span(second, '{:.2f}')} s ({sc} compilations, "
+              f"{statistics.median(second) / cpu['second']:.1f}x CPU), warm "
+              f"{span(warm, '{:.2f}')} ms/token ({statistics.median(warm) / cpu['warm']:.1f}x "
+              "CPU)")
     if args.steps <= 0:
         return
     print(f"# GPT training, {args.steps} AdamW steps, batch 8, lengths 16..256 (seeded)")
-    configs = ("cpu", "buckets") + (("exact",) if args.train_exact else ())
-    for where in configs:
-        for _ in range(args.runs):
-            with tempfile.TemporaryDirectory() as cache:
-                env = dict(os.environ, TORCH_TPU_CACHE_DIR=cache)
-                out = subprocess.run(
-                    [sys.executable, "-c", TRAIN, here, str(args.steps), where],
-                    capture_output=True, text=True, check=True, env=env,
-                )
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            if where == "cpu":
-                base = r["total"]
-                print(f"cpu eager: {r['total']:.1f} s (last loss {r['loss']:.4f})")
-                continue
-            print(
-                f"tpu Strict, {where}: {r['total']:.1f} s ({r['compilations']} compilations, "
-                f"{r['total'] / base:.2f}x CPU; last loss {r['loss']:.4f})"
-            )
+    configs = [("cpu", "CPU eager"), ("buckets", "Strict"), ("buckets", "DeferAndFuse")]
+    if args.train_exact:
+        configs.append(("exact", "Strict"))
+    base = None
+    for where, mode in configs:
+        rs = [worker(TRAIN, here, args.steps, where, mode) for _ in range(args.runs)]
+        total = [r["total"] for r in rs]
+        if where == "cpu":
+            base = statistics.median(total)
+            print(f"CPU eager: {span(total, '{:.1f}')} s (last loss {rs[0]['loss']:.4f})")
+            continue
+        print(f"tpu {mode}, {where}: {span(total, '{:.1f}')} s ({rs[0]['compilations']} "
+              f"compilations, {statistics.median(total) / base:.2f}x CPU; last loss "
+              f"{rs[0]['loss']:.4f})")
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ def metrics():
     host_to_device_bytes, device_to_host_bytes, native_calls, fallback_calls,
     cached_programs (per-op programs held in memory, at most ``TORCH_TPU_MAX_CACHED_PROGRAMS``,
     default 4096), evicted_programs (dropped to stay within it; reloaded from the disk cache
-    when needed again), and ``ops``: {op name: (native calls, fallback calls)}.
+    when needed again), graph_programs (DeferAndFuse graphs whose program was not in
+    memory: compiled or loaded), and ``ops``: {op name: (native calls, fallback calls)}.
 
     ``compile`` (torch.compile): dynamo_graphs (distinct graphs Dynamo traced; one for all
     lengths under dynamic shapes), compiled_graphs (programs captured: one per graph and

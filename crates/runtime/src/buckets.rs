@@ -451,9 +451,11 @@ pub(crate) fn compact(
 
 /// `torch.arange` of integers into a fresh tensor, computed on the host and uploaded: its
 /// program would depend on the bounds' values (positions in generation: one program per
-/// token). Returns false when the call is not one (floats, a written or large output).
+/// token). In DeferAndFuse only with shape buckets on and outside torch.compile captures
+/// (the upload is a graph input: one graph structure for every position). Returns false
+/// when the call is not one (floats, a written or large output).
 pub(crate) fn host_arange(rt: &Runtime, op: &str, params: &[Param]) -> Result<bool> {
-    if op != "aten::arange" || crate::mode::get() == crate::mode::EagerMode::DeferAndFuse {
+    if op != "aten::arange" {
         return Ok(false);
     }
     let int = |name: &str, default: Option<i64>| match params.iter().find(|p| p.name == name) {
@@ -476,6 +478,10 @@ pub(crate) fn host_arange(rt: &Runtime, op: &str, params: &[Param]) -> Result<bo
     let (Some(dt), Loc::Device(sp)) = (out.dtype, out.loc) else {
         return Ok(false);
     };
+    let deferred = crate::mode::get() == crate::mode::EagerMode::DeferAndFuse;
+    if deferred && (!enabled() || rt.defer.capturing(out.device)) {
+        return Ok(false);
+    }
     if step == 0 || !matches!(dt, DType::I64 | DType::I32) {
         return Ok(false);
     }

@@ -130,6 +130,13 @@ impl Graph {
     }
 }
 
+/// A deferred graph's executable; `quick` until its optimized version replaces it.
+#[derive(Clone)]
+struct GraphProgram {
+    exe: Arc<pjrt::Executable>,
+    quick: Option<Arc<crate::tiers::Quick>>,
+}
+
 /// A function name unique to `key`'s content.
 fn hashed_name(prefix: &str, key: &[u8]) -> String {
     use sha2::{Digest, Sha256};
@@ -144,8 +151,9 @@ pub struct Deferred {
     /// Lazy storage -> its current flat value. Locked after its graph, never before.
     lazy: Vec<Mutex<HashMap<usize, Pending>>>,
     /// Compiled graphs by (device, text of `@main`): an executable is bound to its device,
-    /// and the callees' names are hashes of their ops' keys.
-    programs: Mutex<HashMap<(usize, String), Arc<pjrt::Executable>>>,
+    /// and the callees' names are hashes of their ops' keys. A quick program (see `tiers`)
+    /// keeps what its optimized compilation needs until it becomes hot.
+    programs: Mutex<HashMap<(usize, String), GraphProgram>>,
     /// Op functions by the op's cache key (the same key Strict programs use).
     fragments: Mutex<HashMap<Vec<u8>, Arc<Fragment>>>,
     max_ops: usize,
@@ -203,6 +211,11 @@ impl Deferred {
                 g.broken = true;
             }
         }
+    }
+
+    /// Whether a torch.compile capture is recording on `device`.
+    pub(crate) fn capturing(&self, device: usize) -> bool {
+        self.graphs.get(device).is_some_and(|g| lock(g).capturing)
     }
 
     pub fn pending_ops(&self, device: usize) -> usize {
@@ -384,8 +397,25 @@ impl GraphSources<'_> {
     }
 }
 
+/// What recording an op did.
+pub(crate) enum Recorded {
+    Done(Outcome),
+    /// The op's sizes change over time (shape buckets, see `buckets`): it runs as a per-op
+    /// program serving a range of sizes, outside the graph, so that the graph keeps one
+    /// structure (one compilation) whatever those sizes.
+    Dynamic(crate::buckets::Staging),
+}
+
+/// The op's function, or why there is none.
+enum Frag {
+    Found(Arc<Fragment>),
+    Outcome(Outcome),
+    Dynamic(crate::buckets::Staging),
+}
+
 impl Runtime {
-    /// The op's function, lowered on its first use.
+    /// The op's function, lowered on its first use. An op whose sizes change over time is
+    /// not recorded (`Frag::Dynamic`) unless a torch.compile capture is recording.
     fn fragment(
         &self,
         op: &str,
@@ -393,15 +423,20 @@ impl Runtime {
         device: usize,
         params: &[Param],
         var: Variant,
-    ) -> Result<std::result::Result<Arc<Fragment>, Outcome>> {
+    ) -> Result<Frag> {
         let k = key(op, overload, device, params);
         if let Some(f) = lock(&self.defer.fragments).get(&k) {
-            return Ok(Ok(f.clone()));
+            return Ok(Frag::Found(f.clone()));
+        }
+        if !self.defer.capturing(device) {
+            if let Some(st) = self.buckets.observe(op, overload, device, params, var) {
+                return Ok(Frag::Dynamic(st));
+            }
         }
         let p = match plan(op, overload, device, params, var)? {
             Plan::Done(p) => p,
-            Plan::Declined(w) => return Ok(Err(Outcome::Declined(w))),
-            Plan::Resize(r) => return Ok(Err(Outcome::Resize(r))),
+            Plan::Declined(w) => return Ok(Frag::Outcome(Outcome::Declined(w))),
+            Plan::Resize(r) => return Ok(Frag::Outcome(Outcome::Resize(r))),
         };
         let name = hashed_name("op", &k);
         let result_types: Vec<TensorType> = p.results.iter().map(|v| p.b.ty(*v).clone()).collect();
@@ -420,7 +455,7 @@ impl Runtime {
             rng_consumed: p.rng_consumed,
         });
         lock(&self.defer.fragments).insert(k, f.clone());
-        Ok(Ok(f))
+        Ok(Frag::Found(f))
     }
 
     /// Appends one call of `f` (which calls `callees`) to the device's pending graph,
@@ -524,10 +559,11 @@ impl Runtime {
         device: usize,
         params: &[Param],
         var: Variant,
-    ) -> Result<Outcome> {
+    ) -> Result<Recorded> {
         let frag = match self.fragment(op, overload, device, params, var)? {
-            Ok(f) => f,
-            Err(outcome) => return Ok(outcome),
+            Frag::Found(f) => f,
+            Frag::Outcome(outcome) => return Ok(Recorded::Done(outcome)),
+            Frag::Dynamic(st) => return Ok(Recorded::Dynamic(st)),
         };
         crate::exec::admit_outputs(&frag.outputs, device)?;
         let gen = params.iter().find_map(|p| match p.arg {
@@ -594,7 +630,9 @@ impl Runtime {
         }
         self.metrics.native(op);
         self.flush_if_full(device, g)?;
-        Ok(Outcome::Done(returns_of(&frag.rets, params, var, new)))
+        Ok(Recorded::Done(Outcome::Done(returns_of(
+            &frag.rets, params, var, new,
+        ))))
     }
 
     /// Runs the device's pending graph, if any.
@@ -674,7 +712,7 @@ impl Runtime {
             None
         } else {
             let couts: Vec<Value> = graph.checks.iter().map(|c| c.0).collect();
-            match self.graph_program(device, &graph, &couts) {
+            match self.graph_program(device, &graph, &couts, false) {
                 Ok(p) => Some(p),
                 Err(e) => {
                     // Nothing ran: its values fail, the storages it would rewrite keep theirs.
@@ -695,7 +733,7 @@ impl Runtime {
                 graph.module(&outs)
             );
         }
-        let exe = match self.graph_program(device, &graph, &outs) {
+        let exe = match self.graph_program(device, &graph, &outs, false) {
             Ok(exe) => exe,
             Err(e) => {
                 discard_flushed(&entries, &[], &e);
@@ -773,14 +811,16 @@ impl Runtime {
     }
 
     /// The executable of `graph` returning `outs` (its aliases as set now), from the
-    /// structure cache or compiled.
+    /// structure cache or compiled: quick first (see `tiers`) unless `optimized` (a
+    /// torch.compile capture keeps its executable: it would never see the swap).
     fn graph_program(
         &self,
         device: usize,
         graph: &Graph,
         outs: &[Value],
+        optimized: bool,
     ) -> Result<Arc<pjrt::Executable>> {
-        self.program(device, graph.b.finish(outs), graph.ops, || {
+        self.program(device, graph.b.finish(outs), graph.ops, optimized, || {
             graph.module(outs)
         })
     }
@@ -792,6 +832,7 @@ impl Runtime {
         device: usize,
         main: String,
         ops: usize,
+        optimized: bool,
         module: impl FnOnce() -> String,
     ) -> Result<Arc<pjrt::Executable>> {
         let custom = crate::options::key_part();
@@ -803,24 +844,72 @@ impl Runtime {
                 format!("{}\n{main}", String::from_utf8_lossy(&custom)),
             )
         };
-        if let Some(e) = lock(&self.defer.programs).get(&key).cloned() {
+        if let Some(p) = lock(&self.defer.programs).get(&key).cloned() {
             self.metrics
                 .cache_hits
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            return Ok(e);
+            if let Some(q) = p.quick.filter(|q| q.hot()) {
+                self.optimize_graph(key, q);
+            }
+            return Ok(p.exe);
         }
         self.metrics
             .cache_misses
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.metrics
+            .graph_programs
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mlir = module();
-        let exe = Arc::new(self.compile(&mlir, device, true).map_err(|e| {
-            Error::runtime(format!(
-                "XLA failed to compile a deferred graph of {ops} ops: {}",
-                e.msg
-            ))
-        })?);
-        lock(&self.defer.programs).insert(key, exe.clone());
+        let custom = crate::options::current();
+        let (exe, quick) = self
+            .compile_full(
+                &mlir,
+                device,
+                true,
+                custom.as_deref(),
+                !optimized && crate::tiers::quick_enabled(),
+                false,
+            )
+            .map_err(|e| {
+                Error::runtime(format!(
+                    "XLA failed to compile a deferred graph of {ops} ops: {}",
+                    e.msg
+                ))
+            })?;
+        let exe = Arc::new(exe);
+        let quick = quick.then(|| {
+            Arc::new(crate::tiers::Quick {
+                mlir,
+                custom,
+                runs: Default::default(),
+            })
+        });
+        let p = GraphProgram {
+            exe: exe.clone(),
+            quick,
+        };
+        lock(&self.defer.programs).insert(key, p);
         Ok(exe)
+    }
+
+    /// Compiles a hot quick graph's optimized version on the background thread and swaps
+    /// it in (later flushes run it; a failure keeps the quick one, which works).
+    fn optimize_graph(&self, key: (usize, String), q: Arc<crate::tiers::Quick>) {
+        crate::tiers::background(move || {
+            let Ok(rt) = crate::get() else { return };
+            let device = key.0;
+            if let Ok((exe, _)) =
+                rt.compile_full(&q.mlir, device, true, q.custom.as_deref(), false, true)
+            {
+                lock(&rt.defer.programs).insert(
+                    key,
+                    GraphProgram {
+                        exe: Arc::new(exe),
+                        quick: None,
+                    },
+                );
+            }
+        });
     }
 
     /// An optimizer step ended. A DeferAndFuse graph that already holds an earlier step (no
@@ -1068,7 +1157,7 @@ impl Runtime {
         let checks: Vec<(ErrorKind, String)> =
             graph.checks.iter().map(|c| (c.1, c.2.clone())).collect();
         let mlir = graph.module(&results);
-        let exe = self.graph_program(device, &graph, &results)?;
+        let exe = self.graph_program(device, &graph, &results, true)?;
         let param_types: Vec<TensorType> = (0..graph.sources.len())
             .map(|i| graph.b.param_type(i).clone())
             .collect();
@@ -1180,7 +1269,7 @@ impl Runtime {
     /// another holder (a captured graph with the same module) still uses it.
     pub fn release_captured(&self, c: &Captured) {
         lock(&self.defer.programs)
-            .retain(|_, e| !(Arc::ptr_eq(e, &c.exe) && Arc::strong_count(e) == 2));
+            .retain(|_, e| !(Arc::ptr_eq(&e.exe, &c.exe) && Arc::strong_count(&e.exe) == 2));
     }
 
     /// Runs a captured graph on new inputs (same metadata as at capture), writing `outs`

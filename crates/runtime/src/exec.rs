@@ -609,8 +609,21 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
         return Ok(Outcome::Done(returns_of(&[], params, var, Vec::new())));
     }
     let mode = crate::mode::get();
+    let mut observed = None;
     if mode == crate::mode::EagerMode::DeferAndFuse {
-        return rt.record(op, overload, device, params, var);
+        match rt.record(op, overload, device, params, var)? {
+            crate::defer::Recorded::Done(outcome) => return Ok(outcome),
+            crate::defer::Recorded::Dynamic(st) => {
+                // Outside the graph: what it reads (or writes) must be computed first.
+                let lazy = tensors(params)
+                    .iter()
+                    .any(|(_, t)| t.storage().is_some_and(Storage::is_lazy));
+                if lazy {
+                    rt.flush(device, "dynamic shapes")?;
+                }
+                observed = Some(st);
+            }
+        }
     }
     let k = key(op, overload, device, params);
     let (prog, real) = match rt.cache.get(&k) {
@@ -621,7 +634,7 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
             p.count_run(&k);
             (p, None)
         }
-        None => match bucketed(rt, op, overload, device, params, var, &k)? {
+        None => match bucketed(rt, op, overload, device, params, var, &k, observed)? {
             Some((p, real, bk)) => {
                 p.count_run(&bk);
                 (p, Some(real))
@@ -630,7 +643,7 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
                 rt.metrics
                     .cache_misses
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let in_pool = mode == crate::mode::EagerMode::Strict;
+                let in_pool = mode != crate::mode::EagerMode::Debug;
                 match build(rt, op, overload, device, params, var, None, in_pool)? {
                     Built::Program(p) => {
                         rt.cache.insert(k.clone(), p.clone());
@@ -646,7 +659,7 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
     };
     let rets = real.as_ref().map_or(&prog.rets, |r| &r.rets);
     let real = real.as_deref().map(|v| v.sizes.as_slice());
-    let new = if mode == crate::mode::EagerMode::Strict {
+    let new = if mode != crate::mode::EagerMode::Debug {
         execute_async(rt, op, &prog, params, device, real)?
     } else {
         execute(rt, op, &prog, params, real)?
@@ -1489,7 +1502,9 @@ fn build(
 type Served = (Arc<Program>, crate::buckets::NewSizes, Vec<u8>);
 
 /// The bucketed program for a call whose exact program is not cached, if its signature
-/// has changing shapes (see `buckets`), with the real sizes of its new tensors.
+/// has changing shapes (see `buckets`; `observed`: DeferAndFuse asked already), with the real
+/// sizes of its new tensors.
+#[allow(clippy::too_many_arguments)]
 fn bucketed(
     rt: &Runtime,
     op: &str,
@@ -1498,8 +1513,10 @@ fn bucketed(
     params: &[Param],
     var: Variant,
     exact_key: &[u8],
+    observed: Option<crate::buckets::Staging>,
 ) -> Result<Option<Served>> {
-    let Some(st) = rt.buckets.observe(op, overload, device, params, var) else {
+    let Some(st) = observed.or_else(|| rt.buckets.observe(op, overload, device, params, var))
+    else {
         return Ok(None);
     };
     let real = rt.buckets.new_sizes(exact_key, || {

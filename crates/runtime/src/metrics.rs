@@ -35,6 +35,8 @@ pub struct Metrics {
     pub d2h_bytes: AtomicU64,
     pub d2d_bytes: AtomicU64,
     pub deferred_compilations: AtomicU64,
+    /// Deferred graphs whose program was not in memory (compiled or loaded from disk).
+    pub graph_programs: AtomicU64,
     pub flushes: AtomicU64,
     pub flushed_ops: AtomicU64,
     /// Input buffers a deferred graph reused for its outputs (in-place updates).
@@ -163,6 +165,7 @@ impl Metrics {
                 g(&self.compilations) - g(&self.deferred_compilations),
             ),
             ("compilations_deferred", g(&self.deferred_compilations)),
+            ("graph_programs", g(&self.graph_programs)),
             ("flushes", g(&self.flushes)),
             (
                 "ops_per_flush",
@@ -226,6 +229,7 @@ impl Metrics {
             &self.d2h_bytes,
             &self.d2d_bytes,
             &self.deferred_compilations,
+            &self.graph_programs,
             &self.flushes,
             &self.flushed_ops,
             &self.donated_buffers,

@@ -94,7 +94,7 @@ impl Part {
         outs: &[Value],
     ) -> Result<Arc<pjrt::Executable>> {
         let main = graph.b.finish_part(params, &self.body, aliases, outs, &[]);
-        rt.program(device, main, graph.ops, || {
+        rt.program(device, main, graph.ops, false, || {
             let mut seen = std::collections::HashSet::new();
             let funcs: Vec<&str> = graph
                 .funcs
