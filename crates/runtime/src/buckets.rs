@@ -84,10 +84,10 @@ struct Sig {
     /// Per tensor position and dim, the distinct sizes seen (the first few), from tensors
     /// that are not persistent.
     seen: Vec<Vec<Vec<i64>>>,
-    /// A dim is dynamic once two different sizes of one class, or three of one bucket, were
-    /// seen there: a bucket then serves sizes that otherwise compile apart. Sizes of
-    /// different classes are no reason (a static model's layers: 64, 128, 256 channels;
-    /// 4 query and 2 key/value heads), and neither is a change in layout alone.
+    /// A dim is dynamic once two different sizes of one class were seen there: a bucket
+    /// then serves sizes that otherwise compile apart. Sizes of different classes are no
+    /// reason (a static model's layers: 64, 128, 256 channels or 16, 8, 4 pixels; 4 query
+    /// and 2 key/value heads), and neither is a change in layout alone.
     dynamic: Vec<Vec<bool>>,
     /// A bucketed program of this signature failed to compile or lost a dynamic size:
     /// exact programs only.
@@ -267,9 +267,7 @@ impl Buckets {
                 if seen.contains(n) || s.dynamic[i][d] {
                     continue;
                 }
-                let same_class = seen.iter().any(|m| class(*m) == class(*n));
-                let same_bucket = seen.iter().filter(|m| bucket(**m) == bucket(*n)).count();
-                if same_class || same_bucket >= 2 {
+                if seen.iter().any(|m| class(*m) == class(*n)) {
                     s.dynamic[i][d] = true;
                 } else if seen.len() < 16 {
                     seen.push(*n);
