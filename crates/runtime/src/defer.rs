@@ -848,7 +848,7 @@ impl Runtime {
             self.metrics
                 .cache_hits
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            if let Some(q) = p.quick.filter(|q| q.hot()) {
+            if let Some(q) = p.quick.filter(|q| q.reused()) {
                 self.optimize_graph(key, q);
             }
             return Ok(p.exe);

@@ -54,6 +54,12 @@ impl Quick {
     pub fn hot(&self) -> bool {
         self.runs.fetch_add(1, Ordering::Relaxed) + 1 == HOT
     }
+
+    /// True exactly once, the first time the program is reused: a deferred graph's
+    /// optimized version is worth its compilation as soon as the graph recurs.
+    pub fn reused(&self) -> bool {
+        self.runs.fetch_add(1, Ordering::Relaxed) == 0
+    }
 }
 
 type Task = Box<dyn FnOnce() + Send>;
