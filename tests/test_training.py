@@ -5,8 +5,11 @@ Models: an MLP (784-512-512-10, batch 64, cross-entropy), a 2-layer pre-LN GPT
 matmul/masked_fill/softmax, GELU MLP) and a ResNet-style CNN (conv-BatchNorm-ReLU stem,
 max pooling, two residual blocks, global average pooling, linear head; 3x16x16 images,
 batch 8). Optimizers: SGD with momentum and AdamW, each
-foreach and single-tensor. 20 steps; every step's loss must agree within 1e-4 relative, and
-training (after the model is built and moved) must not use the CPU fallback.
+foreach and single-tensor. 20 steps; every step's loss must agree within 1e-4 relative, or
+within what the CPU itself gives when the initial weights move by 1e-7 relative (some
+runs are chaotic: a tie in max pooling or a ReLU at zero flips with the last bit, and the
+losses then part by 1e-4 on the CPU too), and training (after the model is built and
+moved) must not use the CPU fallback.
 """
 
 import copy
@@ -136,20 +139,35 @@ def train(model, opt_name, data, device):
     return losses
 
 
+def perturbed(model, seed):
+    """A copy of `model` whose weights moved by about 1e-7 relative (float32's last bits)."""
+    out = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            p.mul_(1 + 1e-7 * torch.randn(p.shape, generator=g))
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def run(model_name, opt_name):
-    """(cpu losses, tpu losses or the exception, {fallback op: calls} during tpu training)."""
+    """(cpu losses, tpu losses or the exception, {fallback op: calls} during tpu training,
+    each step's largest relative change of the CPU losses under last-bit perturbations)."""
     torch.manual_seed(0)
     cpu_model = MODELS[model_name]()
     tpu_model = copy.deepcopy(cpu_model).to("tpu")
     data = make_data(model_name)
+    moved = [train(perturbed(cpu_model, seed), opt_name, data, "cpu") for seed in range(3)]
     cpu_losses = train(cpu_model, opt_name, data, "cpu")
+    base = torch.tensor(cpu_losses, dtype=torch.float64)
+    spread = torch.stack([(torch.tensor(m, dtype=torch.float64) - base).abs() / base.abs()
+                          for m in moved]).amax(0)
     torch_pjrt.reset_metrics()
     try:
         tpu_losses = train(tpu_model, opt_name, data, "tpu")
     except Exception as e:  # noqa: BLE001 - reported by the tests below
         tpu_losses = e
-    return cpu_losses, tpu_losses, fallbacks()
+    return cpu_losses, tpu_losses, fallbacks(), spread
 
 
 # Known failures, {(model, optimizer, check): reason}; check is "losses" or "native".
@@ -169,18 +187,23 @@ def params(check):
 
 @pytest.mark.parametrize("model_name,opt_name", params("losses"))
 def test_losses_match_cpu(model_name, opt_name):
-    cpu_losses, tpu_losses, _ = run(model_name, opt_name)
+    cpu_losses, tpu_losses, _, spread = run(model_name, opt_name)
     if isinstance(tpu_losses, Exception):
         raise tpu_losses
     assert all(math.isfinite(v) for v in cpu_losses)
     assert cpu_losses[-1] < cpu_losses[0]  # it trains
-    torch.testing.assert_close(torch.tensor(tpu_losses), torch.tensor(cpu_losses),
-                               rtol=1e-4, atol=0)
+    tpu, cpu = (torch.tensor(v, dtype=torch.float64) for v in (tpu_losses, cpu_losses))
+    off = (tpu - cpu).abs() / cpu.abs()
+    allowed = torch.clamp(2 * spread, min=1e-4)
+    bad = (off > allowed).nonzero().flatten().tolist()
+    assert not bad, (
+        f"steps {bad}: tpu losses {tpu[bad].tolist()} vs cpu {cpu[bad].tolist()} "
+        f"(relative {off[bad].tolist()}, allowed {allowed[bad].tolist()})")
 
 
 @pytest.mark.parametrize("model_name,opt_name", params("native"))
 def test_training_is_native(model_name, opt_name):
-    _, tpu_losses, fb = run(model_name, opt_name)
+    _, tpu_losses, fb, _ = run(model_name, opt_name)
     if isinstance(tpu_losses, Exception):
         raise tpu_losses
     assert not fb, f"ran on the CPU fallback: {fb}"

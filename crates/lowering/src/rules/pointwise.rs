@@ -190,7 +190,28 @@ fn pow(c: &mut Ctx) -> LResult<Vec<Out>> {
         let ne = c.b.not(v[1]);
         return Ok(vec![Out::T(c.b.or(r, ne))]);
     }
-    Ok(vec![Out::T(c.b.binary("stablehlo.power", v[0], v[1]))])
+    let p = c.b.binary("stablehlo.power", v[0], v[1]);
+    if !dt.is_signed_int() {
+        return Ok(vec![Out::T(p)]);
+    }
+    // A negative integer exponent: PyTorch gives 1 for base 1, ±1 by parity for base -1
+    // and 0 otherwise; XLA:CPU's emitters disagree with each other there, so say it.
+    let b = &mut *c.b;
+    let (x, e) = (v[0], v[1]);
+    let zero = b.splat(e, 0.0);
+    let one = b.splat(x, 1.0);
+    let minus_one = b.splat(x, -1.0);
+    let two = b.splat(e, 2.0);
+    let odd = b.binary("stablehlo.remainder", e, two);
+    let odd = b.compare(odd, zero, CmpDir::Ne);
+    let sign = b.select(odd, minus_one, one);
+    let zero_x = b.splat(x, 0.0);
+    let is_minus_one = b.compare(x, minus_one, CmpDir::Eq);
+    let neg = b.select(is_minus_one, sign, zero_x);
+    let is_one = b.compare(x, one, CmpDir::Eq);
+    let neg = b.select(is_one, one, neg);
+    let negative = b.compare(e, zero, CmpDir::Lt);
+    Ok(vec![Out::T(b.select(negative, neg, p))])
 }
 
 fn erf(b: &mut Builder, x: Value) -> Value {
