@@ -21,6 +21,10 @@ cargo test -q -p pjrt -p stablehlo -p lowering -p runtime
 
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
+# Inductor (the CPU comparisons) gets a cache of its own per run: its FX graph cache key
+# ignores ATEN_CPU_CAPABILITY, so a run with vectorization off would reload C++ written for
+# AVX2 by an earlier run and fail to build it.
+export TORCHINDUCTOR_CACHE_DIR="$logs/inductor"
 names=()
 n=0
 par=${TORCH_PJRT_TEST_JOBS:-$(nproc)}
@@ -33,8 +37,9 @@ job() {
   shift
   while (( $(jobs -rp | wc -l) >= par )); do wait -n || true; done
   names[n]=$name
-  (env "${env[@]}" python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1
-   echo $? > "$logs/$n.rc") &
+  (start=$SECONDS
+   env "${env[@]}" python -m pytest -q -p no:cacheprovider "$@" > "$logs/$n.log" 2>&1
+   echo $? > "$logs/$n.rc"; echo $((SECONDS - start)) > "$logs/$n.s") &
   n=$((n + 1))
 }
 
@@ -70,7 +75,7 @@ wait
 
 status=0
 for ((i = 0; i < n; i++)); do
-  echo "== ${names[i]}"
+  echo "== ${names[i]} ($(cat "$logs/$i.s" 2>/dev/null || echo ?) s)"
   cat "$logs/$i.log"
   rc=$(cat "$logs/$i.rc" 2>/dev/null || echo 1)
   if [[ $rc != 0 ]]; then

@@ -192,6 +192,27 @@ def test_off_compiles_every_shape():
     assert m["new_shapes_served"] == 0 and m["programs"]["aten::mul"][1] == 0
 
 
+def test_defer_and_fuse_graph_input_overwritten_by_a_bucketed_op():
+    """In DeferAndFuse a bucketed op runs outside the pending graph. When it writes in place
+    a tensor the graph reads, ops recorded before see the old value and ops after the new
+    one (the graph used to reuse the old value: wrong bias gradients in the GPT's backward,
+    where autograd accumulates a gradient in place between reads)."""
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        for n in (17, 18):  # add_'s length becomes dynamic
+            a = torch.ones(n, device="tpu")
+            a.add_(torch.ones(n, device="tpu"))
+            a.cpu()
+        reset()
+        x, four = torch.ones(20, device="tpu"), torch.full((20,), 4.0, device="tpu")
+        torch.tpu.synchronize()
+        before = x * 2
+        x.add_(four)
+        after = x + 1
+        assert torch_pjrt.metrics()["programs"]["aten::add"][2] > 0  # served bucketed
+    assert before.cpu().tolist() == [2.0] * 20
+    assert after.cpu().tolist() == [6.0] * 20
+
+
 def test_training_over_varying_lengths_matches_cpu():
     from models import GPT
 

@@ -199,6 +199,20 @@ def test_defer_and_fuse_views_and_inplace():
     assert t.cpu().abs().sum().item() == 0
 
 
+def test_defer_and_fuse_input_overwritten_from_the_host():
+    """A pending graph reads x, then x is replaced by a copy from the host (not a graph op):
+    ops before see the old x, ops after the new one (the graph used to bind x once and give
+    later readers its old value)."""
+    x = torch.ones(4, device="tpu")
+    torch.tpu.synchronize()
+    with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):
+        before = x * 2
+        x.copy_(torch.full((4,), 5.0))
+        after = x + 1
+    assert before.cpu().tolist() == [2.0] * 4
+    assert after.cpu().tolist() == [6.0] * 4
+
+
 def test_intermediates_are_not_written_out():
     x = torch.randn(64, device="tpu")
     with torch.tpu.set_eager_mode(EM.DEFER_AND_FUSE):

@@ -2,11 +2,13 @@
 //!
 //! An op's *signature* is its cache key with every tensor reduced to dtype, rank and
 //! storage identity. The first call of a signature compiles the exact program, as always.
-//! A dim of a tensor becomes *dynamic* once the signature has seen two different sizes
-//! there that one bucket would serve (17 and 18: a growing cache), like torch.compile's
-//! automatic dynamic shapes; sizes one bucket could not serve together (a static model's
-//! layers: 64, 128, 256 channels) and persistent tensors (parameters) are no reason. From
-//! then on a call whose exact program is not cached runs a bucketed program instead:
+//! A size class (the power of two a size rounds up to) of a tensor's dim becomes *dynamic*
+//! once the signature has seen two different sizes of it there (17 and 18: a growing
+//! cache), like torch.compile's automatic dynamic shapes, and so does a larger class at a
+//! dim that has one already (growth); sizes one bucket could not serve together (a static
+//! model's layers: 64, 128, 256 channels) and persistent tensors (parameters) are no
+//! reason. From then on a call whose exact program is not cached and which has a size of
+//! a dynamic class runs a bucketed program instead, with only those sizes padded:
 //!
 //! - a staged tensor is a parameter of its logical shape with each dynamic dim padded to its
 //!   bucket (the next power of two, at least 16), filled on the host from the storage (any
@@ -58,6 +60,12 @@ pub fn set_enabled(on: bool) {
 /// exact programs after a few steps, without staging.
 pub(crate) const EXACT_HOT: u32 = 4;
 
+/// Exact shapes a signature may have served and still get exact programs: more means its
+/// sizes change over time (training over varying lengths), where an exact program per size
+/// is the compile storm buckets avoid, and each one put next to bucketed neighbours makes
+/// their values go through the host.
+const STATIC_SHAPES: u32 = 4;
+
 /// Calls reading one storage at one position that make it a persistent tensor.
 const PERSISTENT: u32 = 4;
 
@@ -84,11 +92,15 @@ struct Sig {
     /// Per tensor position and dim, the distinct sizes seen (the first few), from tensors
     /// that are not persistent.
     seen: Vec<Vec<Vec<i64>>>,
-    /// A dim is dynamic once two different sizes of one class were seen there: a bucket
-    /// then serves sizes that otherwise compile apart. Sizes of different classes are no
-    /// reason (a static model's layers: 64, 128, 256 channels or 16, 8, 4 pixels; 4 query
-    /// and 2 key/value heads), and neither is a change in layout alone.
-    dynamic: Vec<Vec<bool>>,
+    /// Per tensor position and dim, the size classes (bit `class(n)`) that are dynamic
+    /// there: two different sizes of one class were seen, so a bucket serves sizes that
+    /// otherwise compile apart. Sizes of different classes are no reason (a static model's
+    /// layers: 64, 128, 256 channels or 16, 8, 4 pixels; 4 query and 2 key/value heads),
+    /// and neither is a change in layout alone. Only a size of a dynamic class is padded:
+    /// one signature serves call sites whose dims hold a varying length at one site and a
+    /// fixed head count or head size at another ([8, T, 4, 32] and [8, 4, T, T] copies),
+    /// and padding those 4 heads to 16 made attention's copies 5x slower.
+    dynamic: Vec<Vec<u64>>,
     /// A bucketed program of this signature failed to compile or lost a dynamic size:
     /// exact programs only.
     off: bool,
@@ -99,6 +111,9 @@ struct Sig {
 pub(crate) struct Staging {
     pub staged: HashMap<Path, Vec<Option<i64>>>,
     pub sig: Vec<u8>,
+    /// For each result of the program (new tensors, then writes), how many of its trailing
+    /// dims keep their size whatever the real sizes (`exec::static_tails`); None: unknown.
+    pub tails: Option<Vec<usize>>,
 }
 
 impl Staging {
@@ -109,6 +124,28 @@ impl Staging {
                 .map(|(b, s)| b.unwrap_or(*s))
                 .collect()
         })
+    }
+
+    /// How many trailing dims of result `i` (of rank `rank`) keep their size (0: unknown).
+    pub fn tail(&self, i: usize, rank: usize) -> usize {
+        self.tails
+            .as_ref()
+            .and_then(|t| t.get(i))
+            .map_or(0, |t| (*t).min(rank))
+    }
+
+    /// The same staging with every bucket twice as large: what a result's size depends on.
+    pub fn doubled(&self) -> Staging {
+        let staged = self
+            .staged
+            .iter()
+            .map(|(p, dims)| (*p, dims.iter().map(|b| b.map(|b| b * 2)).collect()))
+            .collect();
+        Staging {
+            staged,
+            sig: self.sig.clone(),
+            tails: None,
+        }
     }
 }
 
@@ -127,6 +164,8 @@ pub struct Buckets {
     /// Exact key -> real sizes of the op's new tensors.
     /// And how many calls had that key.
     sizes: Mutex<HashMap<Vec<u8>, (NewSizes, u32)>>,
+    /// Signature -> the exact shapes it has served (`STATIC_SHAPES`).
+    shapes: Mutex<HashMap<Vec<u8>, u32>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -227,7 +266,7 @@ impl Buckets {
                 .collect();
             let dynamic = ts
                 .iter()
-                .map(|(_, t)| vec![false; t.view.sizes.len()])
+                .map(|(_, t)| vec![0; t.view.sizes.len()])
                 .collect();
             sigs.insert(
                 sig,
@@ -264,23 +303,36 @@ impl Buckets {
                     continue;
                 }
                 let seen = &mut s.seen[i][d];
-                if seen.contains(n) || s.dynamic[i][d] {
+                let bit = 1u64 << class(*n);
+                if seen.contains(n) || s.dynamic[i][d] & bit != 0 {
                     continue;
                 }
-                if seen.iter().any(|m| class(*m) == class(*n)) {
-                    s.dynamic[i][d] = true;
+                // Past every size seen at a dim that varies already: growth (a longer
+                // cache, a longer batch), bucketed at first sight.
+                let dy = s.dynamic[i][d];
+                let grows = dy != 0 && {
+                    let top = seen.iter().map(|m| class(*m)).max().unwrap_or(0);
+                    class(*n) > top.max(63 - dy.leading_zeros() as u8)
+                };
+                if grows || seen.iter().any(|m| class(*m) == class(*n)) {
+                    s.dynamic[i][d] |= bit;
                 } else if seen.len() < 16 {
                     seen.push(*n);
                 }
             }
         }
-        let moving = |i: usize| !persistent[i] && s.dynamic[i].iter().any(|d| *d);
+        // Whether size `n` at dim `d` of tensor `i` is of a dynamic class there.
+        let varies = |i: usize, d: usize, n: i64| n > 1 && s.dynamic[i][d] & (1 << class(n)) != 0;
+        let moving = |i: usize| {
+            !persistent[i] && (ts[i].1.view.sizes.iter().enumerate()).any(|(d, n)| varies(i, d, *n))
+        };
         if !(0..ts.len()).any(moving) {
             return None;
         }
         let mut staging = Staging {
             staged: HashMap::new(),
             sig,
+            tails: None,
         };
         // Duck sizing, as Dynamo's symbolic shapes: a size that is dynamic in one tensor is
         // padded wherever it appears in the call (a contraction's other operand, a broadcast
@@ -295,9 +347,9 @@ impl Buckets {
                 t.view
                     .sizes
                     .iter()
-                    .zip(&s.dynamic[i])
-                    .filter(|(n, d)| **d && **n != 1)
-                    .map(|(n, _)| *n)
+                    .enumerate()
+                    .filter(move |(d, n)| varies(i, *d, **n))
+                    .map(|(_, n)| *n)
             })
             .collect();
         for (i, (path, t)) in ts.iter().enumerate() {
@@ -305,14 +357,14 @@ impl Buckets {
                 .view
                 .sizes
                 .iter()
-                .zip(&s.dynamic[i])
+                .enumerate()
                 // A size of 1 broadcasts: never padded (its own program).
                 // A static size that only equals a dynamic one is padded when padding
                 // changes it (a head size of 20 next to a length of 20), not when it is a
                 // bucket's size already (32 and 32 agree unpadded).
-                .map(|(n, d)| {
+                .map(|(d, n)| {
                     let duck = sizes.contains(n) && bucket(*n) != *n;
-                    (*n != 1 && (*d && moving(i) || duck)).then(|| bucket(*n))
+                    (*n != 1 && (varies(i, d, *n) && moving(i) || duck)).then(|| bucket(*n))
                 })
                 .collect();
             if dims.iter().any(Option::is_some) {
@@ -328,6 +380,20 @@ impl Buckets {
     pub fn forget(&self) {
         lock(&self.sigs).clear();
         lock(&self.sizes).clear();
+        lock(&self.shapes).clear();
+    }
+
+    /// Whether a call served `calls` times at its exact shape should now get its exact
+    /// program: once it is hot, and only while its signature has served few shapes.
+    pub(crate) fn exact_is_due(&self, sig: &[u8], calls: u32) -> bool {
+        let mut m = lock(&self.shapes);
+        if calls == 1 {
+            if m.len() >= 1 << 16 {
+                m.clear();
+            }
+            *m.entry(sig.to_vec()).or_default() += 1;
+        }
+        calls == EXACT_HOT && m.get(sig).is_some_and(|n| *n <= STATIC_SHAPES)
     }
 
     /// Exact programs only from now on for this signature.

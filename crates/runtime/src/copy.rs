@@ -99,9 +99,16 @@ pub fn copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
             let storage = unsafe { &*dp };
             let n = dst.nbytes / ddt.size() as i64;
             if sdt == ddt && src.view.sizes == dst.view.sizes && dst.view.is_whole(n) {
-                // SAFETY: PyTorch keeps the source alive; its view lies in its storage.
-                let bytes = unsafe { host::read(sp, &src.view, sdt.size()) };
-                let buf = rt.upload(&bytes, ddt, &[n], dst.device)?;
+                // SAFETY: PyTorch keeps the source alive; its view lies in its storage, and
+                // the upload has copied it before returning.
+                let buf = match unsafe { host::contiguous_ref(sp, &src.view, sdt.size()) } {
+                    Some(bytes) => rt.upload(bytes, ddt, &[n], dst.device)?,
+                    None => {
+                        // SAFETY: as above.
+                        let bytes = unsafe { host::read(sp, &src.view, sdt.size()) };
+                        rt.upload(&bytes, ddt, &[n], dst.device)?
+                    }
+                };
                 storage.set(Arc::new(buf), ddt)?;
                 return Ok(());
             }
@@ -142,8 +149,15 @@ pub fn copy(rt: &Runtime, src: &TensorRef, dst: &TensorRef) -> Result<()> {
             // offsets): even from an input's buffer, which needs no flush, a replay would
             // reuse the first call's choices.
             rt.defer.note_host_read(src.device);
-            let bytes = rt.download(&*dense(rt, src, ddt, &dst.view.sizes)?)?;
-            // SAFETY: the destination CPU tensor is alive and its view lies in its storage.
+            let buf = dense(rt, src, ddt, &dst.view.sizes)?;
+            // SAFETY: the destination CPU tensor is alive, its view lies in its storage and
+            // the download has finished writing it before returning.
+            if let Some(out) = unsafe { host::contiguous(dp, &dst.view, ddt.size()) } {
+                // Straight into the CPU tensor: `.cpu()` of a large tensor is one copy.
+                return rt.download_into(&buf, out);
+            }
+            let bytes = rt.download(&buf)?;
+            // SAFETY: as above.
             unsafe { host::write(dp, &dst.view, ddt.size(), &bytes) };
             Ok(())
         }

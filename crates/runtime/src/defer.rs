@@ -222,6 +222,21 @@ impl Deferred {
         self.graphs.get(device).map(|g| lock(g).ops).unwrap_or(0)
     }
 
+    /// Whether the pending graph of `device` reads storage `key` (at its address) as an
+    /// input: a write from outside the graph must run the graph first, or the graph's later
+    /// reads would reuse that input's old value and its earlier ones could see the new.
+    pub(crate) fn graph_reads(&self, device: usize, key: usize) -> bool {
+        self.graphs
+            .get(device)
+            .is_some_and(|g| lock(g).params.contains_key(&key))
+    }
+
+    /// Whether a write to `s` from outside the pending graph must run the graph first: the
+    /// graph computes `s` (it is lazy) or reads it as an input (see `graph_reads`).
+    pub(crate) fn write_flushes(&self, s: &Storage) -> bool {
+        s.is_lazy() || self.graph_reads(s.device, s as *const Storage as usize)
+    }
+
     /// The Python thread is about to replace a storage's buffer (the worker is drained):
     /// inputs still to be read from storages are read now, so that the graph keeps the
     /// value it recorded.

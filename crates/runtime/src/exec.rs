@@ -145,6 +145,33 @@ pub(crate) enum Input {
     },
 }
 
+/// How many trailing dims of a staged view a bucketed program reads as whole rows: dims
+/// that are not padded (`dims`: each dim's bucket) and lie adjacent in memory, innermost
+/// at stride 1 (size-1 dims address nothing). Part of the program's key.
+fn read_block(t: &TensorRef, dims: &[Option<i64>]) -> usize {
+    let v = &t.view;
+    let mut expect = 1;
+    let mut n = 0;
+    for d in (0..v.sizes.len()).rev() {
+        if dims[d].is_some() || v.sizes[d] != 1 && v.strides[d] != expect {
+            break;
+        }
+        expect *= v.sizes[d];
+        n += 1;
+    }
+    n
+}
+
+/// The index type for positions below `n`: i32 where it fits (XLA:CPU's index math is
+/// cheaper), else i64.
+fn index_type(n: i64) -> DType {
+    if n < i32::MAX as i64 {
+        DType::I32
+    } else {
+        DType::I64
+    }
+}
+
 /// The dims of the buffer a staged tensor's storage holds (or will) when the program can
 /// read its view from it directly: a bucketed program's packed buffer, or, for a tensor
 /// whose sizes do not change (`dynamic` false), its exact flat buffer (the same size at
@@ -373,7 +400,10 @@ pub(crate) fn key_with(
                             // Read in the program from a packed buffer, or staged on the host.
                             let dynamic = dims.iter().any(|d| d.is_some());
                             match packed_source(t, dynamic) {
-                                Some(pd) => ints(k, &pd),
+                                Some(pd) => {
+                                    ints(k, &pd);
+                                    num(k, read_block(t, dims) as i64);
+                                }
                                 None => k.push(b'h'),
                             }
                         }
@@ -614,11 +644,16 @@ pub fn dispatch(rt: &Runtime, op: &str, overload: &str, params: &[Param]) -> Res
         match rt.record(op, overload, device, params, var)? {
             crate::defer::Recorded::Done(outcome) => return Ok(outcome),
             crate::defer::Recorded::Dynamic(st) => {
-                // Outside the graph: what it reads (or writes) must be computed first.
+                // Outside the graph: what it reads (or writes) must be computed first, and
+                // what it writes must not be an input the graph still has to read.
                 let lazy = tensors(params)
                     .iter()
                     .any(|(_, t)| t.storage().is_some_and(Storage::is_lazy));
-                if lazy {
+                let overwrites = params.iter().filter(|p| p.is_write).any(|p| match &p.arg {
+                    RArg::Tensor(t) => t.storage().is_some_and(|s| rt.defer.write_flushes(s)),
+                    _ => false,
+                });
+                if lazy || overwrites {
                     rt.flush(device, "dynamic shapes")?;
                 }
                 observed = Some(st);
@@ -1198,24 +1233,33 @@ impl Sources for ProgramInputs<'_> {
                 let cap: i64 = pd.iter().product();
                 let buf = b.param(TensorType::new(dtype, &pd));
                 let flat = b.reshape(buf, &[cap]);
+                // Rows of the trailing static dims adjacent in memory are read whole
+                // (`read_block`): one index per row instead of one per element.
+                let k = padded.len() - read_block(t, dims);
+                let (lead, block) = padded.split_at(k);
+                let it = index_type(cap);
                 self.inputs.push(Input::ViewInt { path, dim: None });
                 let off = b.param(TensorType::scalar(DType::I64));
-                let mut idx = b.broadcast_in_dim(off, &padded, &[]);
-                for (k, n) in padded.iter().enumerate() {
+                let off = b.convert(off, it);
+                let mut idx = b.broadcast_in_dim(off, lead, &[]);
+                for (d, n) in lead.iter().enumerate() {
                     if *n > 1 {
-                        self.inputs.push(Input::ViewInt { path, dim: Some(k) });
+                        self.inputs.push(Input::ViewInt { path, dim: Some(d) });
                         let s = b.param(TensorType::scalar(DType::I64));
-                        let s = b.broadcast_in_dim(s, &padded, &[]);
-                        let io = b.iota(DType::I64, &padded, k);
+                        let s = b.convert(s, it);
+                        let s = b.broadcast_in_dim(s, lead, &[]);
+                        let io = b.iota(it, lead, d);
                         let term = b.mul(io, s);
                         idx = b.add(idx, term);
                     }
                 }
-                // Padding positions may point past the buffer: any element will do there.
-                let lo = b.full(DType::I64, &padded, 0.0);
-                let hi = b.full(DType::I64, &padded, (cap - 1) as f64);
-                let idx = b.clamp(lo, idx, hi);
-                crate::layout::gather_flat(b, flat, idx, &padded)
+                // Padding rows may point past the buffer: XLA's gather clamps a start index
+                // so that the row fits, any element will do there. A real row lies inside.
+                let rows: i64 = lead.iter().product();
+                let width: i64 = block.iter().product();
+                let idx = b.reshape(idx, &[rows, 1]);
+                let g = b.gather(flat, idx, &[1], &[], &[0], 1, &[width]);
+                b.reshape(g, &padded)
             }
             None => {
                 self.inputs.push(Input::Staged {
@@ -1293,54 +1337,123 @@ pub(crate) enum Plan {
 }
 
 /// A bucketed program's result as a static flat array, its real elements packed at the
-/// front in row-major order of its real shape: element `f` is read at the index `f` has in
-/// the real shape, whose sizes (`real`, i64 scalars) the call passes. A gather at computed
-/// indices has a static result: a dynamic result's buffer would carry XLA's size metadata,
-/// which a parameter of the next program cannot take, and flattening the dynamic array
-/// instead makes XLA sort it.
-fn packed_result(b: &mut Builder, v: Value, real: &[Value]) -> Value {
+/// front in row-major order of its real shape. Its last `tail` dims keep their size whatever
+/// the real sizes (`static_tails`): each row (those dims' block) is scattered whole to its
+/// row-major index in the real shape of the leading dims (whose sizes, `real`, i64 scalars,
+/// the call passes), padding rows to one past the end, which the scatter drops. The result
+/// is static: a dynamic result's buffer would carry XLA's size metadata, which a parameter
+/// of the next program cannot take, and flattening the dynamic array instead makes XLA sort
+/// it (reshape, bitcast and optimization barriers do not hide the size from XLA's padder,
+/// and its scatter takes no dynamic window). On XLA:CPU, packing an [8, 256, 384] result
+/// takes 0.18 ms by rows of 384, 1.26 ms element by element, 6.3 ms with the gather and
+/// per-dim division it replaced (the op itself: 0.15 ms).
+fn packed_result(b: &mut Builder, v: Value, real: &[Value], tail: usize) -> Value {
     let shape = b.shape(v);
-    if shape.is_empty() {
-        return b.reshape(v, &[1]);
-    }
     let n: i64 = shape.iter().product();
-    let f = b.iota(DType::I64, &[n], 0);
-    let mut stride = b.full(DType::I64, &[n], 1.0);
-    let mut cols = vec![None; shape.len()];
-    for d in (0..shape.len()).rev() {
-        let size = b.broadcast_in_dim(real[d], &[n], &[]);
-        let ty = TensorType::new(DType::I64, &[n]);
-        let q = b.op("stablehlo.divide", &[f, stride], "", ty.clone());
-        let i = b.op("stablehlo.remainder", &[q, size], "", ty);
-        cols[d] = Some(b.reshape(i, &[n, 1]));
+    let k = shape.len().saturating_sub(tail);
+    if k == 0 {
+        // Nothing padded: the padded shape is the real one.
+        return b.reshape(v, &[n]);
+    }
+    let (lead, block) = shape.split_at(k);
+    let rows: i64 = lead.iter().product();
+    let it = index_type(rows);
+    let mut dest: Option<Value> = None;
+    let mut inside: Option<Value> = None;
+    let mut stride = b.constant_i64(it, 1);
+    for d in (0..k).rev() {
+        let size = b.convert(real[d], it);
+        if lead[d] > 1 {
+            let i = b.iota(it, lead, d);
+            let sb = b.broadcast_in_dim(stride, lead, &[]);
+            let term = b.mul(i, sb);
+            dest = Some(match dest {
+                Some(x) => b.add(x, term),
+                None => term,
+            });
+            let nb = b.broadcast_in_dim(size, lead, &[]);
+            let ok = b.compare(i, nb, stablehlo::CmpDir::Lt);
+            inside = Some(match inside {
+                Some(x) => b.and(x, ok),
+                None => ok,
+            });
+        }
         stride = b.mul(stride, size);
     }
-    let cols: Vec<Value> = cols.into_iter().map(|c| c.expect("every dim")).collect();
-    let rank = shape.len() as i64;
-    let idx = if cols.len() == 1 {
-        cols[0]
-    } else {
-        b.op(
-            "stablehlo.concatenate",
-            &cols,
-            "dimension = 1 : i64",
-            TensorType::new(DType::I64, &[n, rank]),
-        )
+    let idx = match (dest, inside) {
+        (Some(dest), Some(inside)) => {
+            let past = b.full(it, lead, rows as f64);
+            b.select(inside, dest, past)
+        }
+        _ => b.full(it, lead, 0.0),
     };
-    let dims: Vec<String> = (0..rank).map(|d| d.to_string()).collect();
-    let ones: Vec<&str> = vec!["1"; shape.len()];
-    let attrs = format!(
-        "dimension_numbers = #stablehlo.gather<collapsed_slice_dims = [{0}], start_index_map = [{0}], index_vector_dim = 1>, slice_sizes = array<i64: {1}>, indices_are_sorted = false",
-        dims.join(", "),
-        ones.join(", ")
-    );
+    let mut idx_shape = lead.to_vec();
+    idx_shape.push(1);
+    let idx = b.reshape(idx, &idx_shape);
     let dtype = b.dtype(v);
-    b.op(
-        "stablehlo.gather",
-        &[v, idx],
-        &attrs,
-        TensorType::new(dtype, &[n]),
-    )
+    let mut out_shape = vec![rows];
+    out_shape.extend_from_slice(block);
+    let init = b.full(dtype, &out_shape, 0.0);
+    let window: Vec<i64> = (k..shape.len()).map(|d| d as i64).collect();
+    let dims = stablehlo::ScatterDims {
+        update_window_dims: &window,
+        inserted_window_dims: &[0],
+        scatter_dims_to_operand_dims: &[0],
+        index_vector_dim: k as i64,
+        unique: true,
+    };
+    let out = b.scatter_with(init, idx, v, &dims, |_, _, u| u);
+    b.reshape(out, &[n])
+}
+
+/// How many trailing dims of each result of a bucketed program keep their size whatever
+/// the real sizes: those equal when the op is lowered again with buckets twice as large
+/// (`params`: the call's own, before `pad_size_args`). None when that lowering fails.
+pub(crate) fn static_tails(
+    op: &str,
+    overload: &str,
+    device: usize,
+    params: &[Param],
+    var: Variant,
+    st: &crate::buckets::Staging,
+) -> Option<Vec<usize>> {
+    let shapes = |st: &crate::buckets::Staging| -> Option<Vec<Vec<i64>>> {
+        let padded = crate::buckets::pad_size_args(params, st);
+        let params = padded.as_deref().unwrap_or(params);
+        let mut b = Builder::new();
+        b.set_padded(true);
+        let mut src = ProgramInputs {
+            inputs: Vec::new(),
+            rng_consumed: 0,
+            staging: Some(st),
+        };
+        match lower_into(&mut b, &mut src, op, overload, device, params, var).ok()? {
+            LowerOutcome::Done(l) => Some(
+                l.new
+                    .iter()
+                    .chain(l.writes.iter().map(|w| &w.2))
+                    .map(|v| b.shape(*v))
+                    .collect(),
+            ),
+            _ => None,
+        }
+    };
+    let (a, b) = (shapes(st)?, shapes(&st.doubled())?);
+    if a.len() != b.len() {
+        return None;
+    }
+    a.iter()
+        .zip(&b)
+        .map(|(x, y)| {
+            (x.len() == y.len()).then(|| {
+                x.iter()
+                    .rev()
+                    .zip(y.iter().rev())
+                    .take_while(|(p, q)| p == q)
+                    .count()
+            })
+        })
+        .collect()
 }
 
 pub(crate) fn plan(
@@ -1379,9 +1492,10 @@ pub(crate) fn plan_with(
     let mut outputs = Vec::new();
     for v in &low.new {
         let ty = b.ty(*v).clone();
-        results.push(if staging.is_some() {
-            let real = src.result_sizes(&mut b, results.len(), ty.shape.len());
-            packed_result(&mut b, *v, &real)
+        results.push(if let Some(st) = staging {
+            let tail = st.tail(results.len(), ty.shape.len());
+            let real = src.result_sizes(&mut b, results.len(), ty.shape.len() - tail);
+            packed_result(&mut b, *v, &real, tail)
         } else {
             b.reshape(*v, &[ty.numel()])
         });
@@ -1391,10 +1505,11 @@ pub(crate) fn plan_with(
         });
     }
     for (path, dtype, v) in &low.writes {
-        results.push(if staging.is_some() {
+        results.push(if let Some(st) = staging {
             let rank = b.shape(*v).len();
-            let real = src.result_sizes(&mut b, results.len(), rank);
-            packed_result(&mut b, *v, &real)
+            let tail = st.tail(results.len(), rank);
+            let real = src.result_sizes(&mut b, results.len(), rank - tail);
+            packed_result(&mut b, *v, &real, tail)
         } else {
             *v
         });
@@ -1515,7 +1630,7 @@ fn bucketed(
     exact_key: &[u8],
     observed: Option<crate::buckets::Staging>,
 ) -> Result<Option<Served>> {
-    let Some(st) = observed.or_else(|| rt.buckets.observe(op, overload, device, params, var))
+    let Some(mut st) = observed.or_else(|| rt.buckets.observe(op, overload, device, params, var))
     else {
         return Ok(None);
     };
@@ -1538,10 +1653,11 @@ fn bucketed(
     let Some((real, calls)) = real else {
         return Ok(None);
     };
-    if calls == crate::buckets::EXACT_HOT {
+    if rt.buckets.exact_is_due(&st.sig, calls) {
         exact_in_background(op, overload, device, params, var, exact_key)?;
     }
     let fresh = calls == 1;
+    let orig = params;
     let padded_params = crate::buckets::pad_size_args(params, &st);
     let params = padded_params.as_deref().unwrap_or(params);
     let bk = key_with(op, overload, device, params, KeyMode::Bucket(&st));
@@ -1549,6 +1665,7 @@ fn bucketed(
         rt.metrics.bucket_hit(op, fresh);
         return Ok(Some((p, real, bk)));
     }
+    st.tails = static_tails(op, overload, device, orig, var, &st);
     match build(rt, op, overload, device, params, var, Some(&st), false) {
         Ok(Built::Program(p)) => {
             rt.cache.insert(bk.clone(), p.clone());

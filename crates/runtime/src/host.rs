@@ -25,26 +25,82 @@ fn for_each_offset(view: &View, mut f: impl FnMut(i64)) {
     }
 }
 
+/// `for_each_offset` by runs: the view's innermost dim, when its elements are adjacent
+/// (stride 1), is one call of `f(first offset, length)` instead of one per element (staging
+/// a bucketed program's input lays out megabytes this way).
+fn for_each_run(view: &View, mut f: impl FnMut(i64, usize)) {
+    // Trailing size-1 dims address nothing.
+    let rank = view
+        .sizes
+        .iter()
+        .rposition(|n| *n != 1)
+        .map_or(0, |d| d + 1);
+    if rank == 0 || view.strides[rank - 1] != 1 {
+        return for_each_offset(view, |off| f(off, 1));
+    }
+    let len = view.sizes[rank - 1];
+    let outer = View {
+        sizes: view.sizes[..rank - 1].to_vec(),
+        strides: view.strides[..rank - 1].to_vec(),
+        offset: view.offset,
+    };
+    if len > 0 {
+        for_each_offset(&outer, |off| f(off, len as usize));
+    }
+}
+
+/// A contiguous host view's bytes in place (None for any other view): what a synchronous
+/// upload or download can hand PJRT without a staging copy.
+///
+/// # Safety
+/// `base` must point at a live allocation covering every element of `view`, which nothing
+/// else writes while the slice is used.
+pub unsafe fn contiguous<'a>(base: *mut u8, view: &View, itemsize: usize) -> Option<&'a mut [u8]> {
+    view.is_contiguous().then(|| {
+        // SAFETY: the caller guarantees the range is inside the allocation and unshared.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                base.add(view.offset as usize * itemsize),
+                view.numel() as usize * itemsize,
+            )
+        }
+    })
+}
+
+/// `contiguous` for a view that is only read (an upload's source).
+///
+/// # Safety
+/// `base` must point at a live allocation covering every element of `view`, which nothing
+/// writes while the slice is used.
+pub unsafe fn contiguous_ref<'a>(base: *const u8, view: &View, itemsize: usize) -> Option<&'a [u8]> {
+    view.is_contiguous().then(|| {
+        // SAFETY: the caller guarantees the range is inside the allocation and not written.
+        unsafe {
+            std::slice::from_raw_parts(
+                base.add(view.offset as usize * itemsize),
+                view.numel() as usize * itemsize,
+            )
+        }
+    })
+}
+
 /// Reads a strided host view into contiguous bytes.
 ///
 /// # Safety
 /// `base` must point at a live allocation covering every element of `view`.
 pub unsafe fn read(base: *const u8, view: &View, itemsize: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(view.numel() as usize * itemsize);
-    if view.is_contiguous() {
-        // SAFETY: the caller guarantees the range is inside the allocation.
-        let s = unsafe {
-            std::slice::from_raw_parts(
-                base.add(view.offset as usize * itemsize),
-                view.numel() as usize * itemsize,
-            )
-        };
+    // SAFETY: the caller guarantees the view is inside the allocation.
+    if let Some(s) = unsafe { contiguous_ref(base, view, itemsize) } {
         out.extend_from_slice(s);
         return out;
     }
-    for_each_offset(view, |off| {
-        // SAFETY: every offset of the view is inside the allocation (caller's contract).
-        let s = unsafe { std::slice::from_raw_parts(base.add(off as usize * itemsize), itemsize) };
+    for_each_run(view, |off, len| {
+        // SAFETY: every element of the view is inside the allocation (caller's contract),
+        // and a run is `len` consecutive elements of the view.
+        let s = unsafe {
+            std::slice::from_raw_parts(base.add(off as usize * itemsize), len * itemsize)
+        };
         out.extend_from_slice(s);
     });
     out
@@ -56,16 +112,18 @@ pub unsafe fn read(base: *const u8, view: &View, itemsize: usize) -> Vec<u8> {
 /// `base` must point at a live, writable allocation covering every element of `view`.
 pub unsafe fn write(base: *mut u8, view: &View, itemsize: usize, data: &[u8]) {
     let mut i = 0usize;
-    for_each_offset(view, |off| {
-        // SAFETY: in bounds by the caller's contract; `data` holds numel * itemsize bytes.
+    for_each_run(view, |off, len| {
+        let bytes = len * itemsize;
+        // SAFETY: in bounds by the caller's contract (a run is `len` consecutive elements
+        // of the view); `data` holds numel * itemsize bytes.
         unsafe {
             std::ptr::copy_nonoverlapping(
                 data.as_ptr().add(i),
                 base.add(off as usize * itemsize),
-                itemsize,
+                bytes,
             );
         }
-        i += itemsize;
+        i += bytes;
     });
 }
 
@@ -140,5 +198,49 @@ pub fn half_to_f64(h: u16) -> f64 {
             }
         }
         e => (1.0 + frac / 1024.0) * 2f64.powi(e - 15),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(sizes: &[i64], strides: &[i64], offset: i64) -> View {
+        View {
+            sizes: sizes.to_vec(),
+            strides: strides.to_vec(),
+            offset,
+        }
+    }
+
+    /// Reads and writes by runs agree with one element at a time.
+    #[test]
+    fn runs_match_elements() {
+        let base: Vec<u8> = (0..=255u8).collect();
+        let views = [
+            view(&[3, 4], &[8, 1], 2),
+            view(&[4, 3], &[1, 8], 1),
+            view(&[2, 3, 1], &[12, 2, 5], 0),
+            view(&[2, 1, 5], &[10, 7, 1], 3),
+            view(&[], &[], 9),
+            view(&[0, 4], &[4, 1], 0),
+            view(&[5], &[1], 100),
+        ];
+        for v in &views {
+            let mut want = Vec::new();
+            for_each_offset(v, |off| {
+                want.extend_from_slice(&base[off as usize * 2..][..2])
+            });
+            // SAFETY: every view lies inside `base` (128 two-byte elements).
+            let got = unsafe { read(base.as_ptr(), v, 2) };
+            assert_eq!(got, want, "{v:?}");
+            let mut out = vec![0u8; 256];
+            // SAFETY: as above, for `out`.
+            unsafe { write(out.as_mut_ptr(), v, 2, &want) };
+            for_each_offset(v, |off| {
+                let o = off as usize * 2;
+                assert_eq!(out[o..o + 2], base[o..o + 2], "{v:?}");
+            });
+        }
     }
 }

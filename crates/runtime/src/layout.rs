@@ -158,7 +158,7 @@ fn linear_indices(b: &mut Builder, view: &View) -> Value {
 }
 
 /// `flat[idx]` for an i64 index array `idx` of shape `sizes`.
-pub fn gather_flat(b: &mut Builder, flat: Value, idx: Value, sizes: &[i64]) -> Value {
+fn gather_flat(b: &mut Builder, flat: Value, idx: Value, sizes: &[i64]) -> Value {
     let n: i64 = sizes.iter().product();
     let idx = b.reshape(idx, &[n, 1]);
     let dtype = b.dtype(flat);

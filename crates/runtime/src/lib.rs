@@ -349,11 +349,17 @@ impl Runtime {
     }
 
     pub fn download(&self, buf: &pjrt::Buffer) -> Result<Vec<u8>> {
-        let v = buf
-            .to_host_vec()
-            .map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
-        self.metrics.add_d2h(v.len());
+        let mut v = vec![0u8; buf.byte_size()];
+        self.download_into(buf, &mut v)?;
         Ok(v)
+    }
+
+    /// `download` into `out`, which must hold exactly the buffer's bytes.
+    pub fn download_into(&self, buf: &pjrt::Buffer, out: &mut [u8]) -> Result<()> {
+        buf.to_host(out)
+            .map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
+        self.metrics.add_d2h(out.len());
+        Ok(())
     }
 
     /// The error of the first false check (`bufs` parallel to `checks`); waits for them.

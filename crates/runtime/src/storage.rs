@@ -50,8 +50,10 @@ struct Inner {
     /// ones packed at the front (see `buckets`). Readers other than bucketed programs
     /// get it compacted (`buffer_now`, `current`).
     packed: bool,
-    /// Dtype and dims of the packed buffer it holds or a queued bucketed program will write
-    /// (None: exact). Set when that program is queued, so that the next op's key can name it.
+    /// Dtype and dims of the packed buffer the last queued write leaves (None: exact), so
+    /// that the next op's key can name it. Queue-time state only: the worker compacting the
+    /// buffer for an exact reader leaves it, or a later op's program would depend on how far
+    /// the worker got (`buckets::packed_input` pads a compacted buffer again).
     packed_dims: Option<(DType, Vec<i64>)>,
 }
 
@@ -166,6 +168,8 @@ impl Storage {
 
     /// Its next value comes from the worker's job `seq`.
     pub(crate) fn mark_pending(&self, seq: u64) {
+        // An exact write unless the queuing op says otherwise (`will_pack`).
+        self.lock().packed_dims = None;
         let prev = self.pending.swap(seq, Ordering::AcqRel);
         if prev != 0 {
             MARKS.with(|m| {
@@ -188,9 +192,6 @@ impl Storage {
             g.buf = Some((buf, dtype));
             g.poison = None;
             g.packed = packed;
-            if !packed {
-                g.packed_dims = None;
-            }
         }
         self.unpend(seq);
     }
@@ -223,7 +224,6 @@ impl Storage {
         let exact = crate::buckets::compact(rt, &b, d, &(elems, None))?;
         g.buf = Some((exact, d));
         g.packed = false;
-        g.packed_dims = None;
         Ok(())
     }
 
@@ -267,10 +267,10 @@ impl Storage {
 
     /// Before the Python thread replaces the contents: queued jobs may still read them.
     fn before_write(&self) -> Result<()> {
-        if self.is_lazy() {
-            crate::get()?.flush(self.device, "read")?;
-        }
         let rt = crate::get()?;
+        if rt.defer.write_flushes(self) {
+            rt.flush(self.device, "write of a graph input")?;
+        }
         rt.worker.drain();
         rt.defer.read_later_inputs(rt, self.device);
         self.lock().poison = None;

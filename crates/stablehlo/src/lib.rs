@@ -11,7 +11,7 @@ use std::sync::Arc;
 mod collectives;
 pub mod import;
 mod ops;
-pub use ops::{CmpDir, ReduceKind};
+pub use ops::{CmpDir, ReduceKind, ScatterDims};
 
 /// Element types, named as PyTorch names them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -888,11 +888,37 @@ impl Builder {
         index_vector_dim: i64,
         combine: impl FnOnce(&mut Builder, Value, Value) -> Value,
     ) -> Value {
+        let dims = ScatterDims {
+            update_window_dims,
+            inserted_window_dims,
+            scatter_dims_to_operand_dims,
+            index_vector_dim,
+            unique: false,
+        };
+        self.scatter_with(x, idx, upd, &dims, combine)
+    }
+
+    /// `scatter` with its dimension numbers and `unique_indices` given together.
+    pub fn scatter_with(
+        &mut self,
+        x: Value,
+        idx: Value,
+        upd: Value,
+        dims: &ScatterDims,
+        combine: impl FnOnce(&mut Builder, Value, Value) -> Value,
+    ) -> Value {
+        let ScatterDims {
+            update_window_dims,
+            inserted_window_dims,
+            scatter_dims_to_operand_dims,
+            index_vector_dim,
+            unique,
+        } = *dims;
         let ty = self.ty(x).clone();
         let st = TensorType::scalar(ty.dtype);
         let region = self.region(&[st.clone(), st], |b, a| vec![combine(b, a[0], a[1])]);
         let attrs = format!(
-            "scatter_dimension_numbers = #stablehlo.scatter<{}>, indices_are_sorted = false, unique_indices = false",
+            "scatter_dimension_numbers = #stablehlo.scatter<{}>, indices_are_sorted = false, unique_indices = {unique}",
             dim_fields(
                 &[
                     ("update_window_dims", update_window_dims),
@@ -910,6 +936,17 @@ impl Builder {
             &[ty],
         )[0]
     }
+}
+
+/// A `scatter`'s dimension numbers, and whether no two updates go to one element (lets
+/// a backend write them in parallel).
+#[derive(Clone, Copy, Debug)]
+pub struct ScatterDims<'a> {
+    pub update_window_dims: &'a [i64],
+    pub inserted_window_dims: &'a [i64],
+    pub scatter_dims_to_operand_dims: &'a [i64],
+    pub index_vector_dim: i64,
+    pub unique: bool,
 }
 
 /// Sorting and dense linear algebra.

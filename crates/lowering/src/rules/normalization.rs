@@ -382,6 +382,25 @@ fn rms_norm(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.convert(y, x.dtype)), Out::T(rstd)])
 }
 
+/// `g` times the affine weight broadcast to `shape` (a norm's backward through its
+/// weight), or `g` when the norm has none.
+fn times_weight(
+    b: &mut Builder,
+    g: Value,
+    w: Option<&TensorArg>,
+    cd: DType,
+    shape: &[i64],
+) -> Value {
+    match w {
+        Some(w) => {
+            let wv = b.convert(w.value, cd);
+            let wb = b.broadcast_to(wv, shape);
+            b.mul(g, wb)
+        }
+        None => g,
+    }
+}
+
 /// `_fused_rms_norm_backward`: with `xhat = x * rstd` and `gw = grad * weight`,
 /// `dx = rstd * (gw - xhat * mean(gw * xhat))` over the normalized dims and
 /// `dweight = sum(grad * xhat)` over the others, in opmath.
@@ -403,14 +422,7 @@ fn rms_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let rb = b.broadcast_to(rv, &x.shape);
     let xhat = b.mul(xv, rb);
     let dx = if mask[0] {
-        let gw = match &w {
-            Some(w) => {
-                let wv = b.convert(w.value, cd);
-                let wb = b.broadcast_to(wv, &x.shape);
-                b.mul(g, wb)
-            }
-            None => g,
-        };
+        let gw = times_weight(b, g, w.as_ref(), cd, &x.shape);
         let gx = b.mul(gw, xhat);
         let s = super::reduce::sum_keep(b, gx, &dims);
         let nn = b.count(xv, &dims, s);
@@ -551,14 +563,7 @@ fn layer_norm_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     let xhat = b.mul(xmu, rb);
     let mut outs = Vec::new();
     if mask[0] {
-        let gw = match &w {
-            Some(w) => {
-                let wv = b.convert(w.value, cd);
-                let wb = b.broadcast_to(wv, &x.shape);
-                b.mul(g, wb)
-            }
-            None => g,
-        };
+        let gw = times_weight(b, g, w.as_ref(), cd, &x.shape);
         // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) over the normalized dims.
         let s1 = super::reduce::sum_keep(b, gw, &norm_dims);
         let gx = b.mul(gw, xhat);
