@@ -72,7 +72,11 @@ pub unsafe fn contiguous<'a>(base: *mut u8, view: &View, itemsize: usize) -> Opt
 /// # Safety
 /// `base` must point at a live allocation covering every element of `view`, which nothing
 /// writes while the slice is used.
-pub unsafe fn contiguous_ref<'a>(base: *const u8, view: &View, itemsize: usize) -> Option<&'a [u8]> {
+pub unsafe fn contiguous_ref<'a>(
+    base: *const u8,
+    view: &View,
+    itemsize: usize,
+) -> Option<&'a [u8]> {
     view.is_contiguous().then(|| {
         // SAFETY: the caller guarantees the range is inside the allocation and not written.
         unsafe {

@@ -1,8 +1,13 @@
 //! Activations of torch.nn and their backward ops (gelu, silu, softplus, elu, hardtanh,
-//! ...). Reduced-precision floats compute in f32 and round once.
+//! ..., shrinkage, glu, prelu, rrelu). Reduced-precision floats compute in f32 and round once.
 
 use super::nn_common::*;
-use super::opmath;
+use super::{
+    add_k, cmp_k, float_max, fmt_num, map, map_only, not_implemented, opmath, promote, same, scale,
+    select_k,
+};
+use crate::promote::torch_name;
+use crate::shape::wrap_dim;
 use crate::{decline, user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, Value};
 use stablehlo::CmpDir;
 
@@ -307,6 +312,228 @@ fn mish_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
     Ok(vec![Out::T(b.convert(r, dt))])
 }
 
+fn softshrink(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let l = c.args.opt_scalar("lambd").map_or(0.5, |s| s.as_f64());
+    let dt = c.args.tensor("self")?.dtype;
+    if l < 0.0 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "lambda must be in range [0, {}] for input dtype {}, but found {}",
+                fmt_num(float_max(dt)),
+                torch_name(dt),
+                fmt_num(l)
+            ),
+        );
+    }
+    map(c, &["self"], same, |b, v| {
+        let x = v[0];
+        let hi = cmp_k(b, x, l, CmpDir::Gt);
+        let lo = cmp_k(b, x, -l, CmpDir::Lt);
+        let xm = add_k(b, x, -l);
+        let xp = add_k(b, x, l);
+        let z = scale(b, x, 0.0); // NaN stays NaN, signs of zero as PyTorch
+        let r = b.select(lo, xp, z);
+        b.select(hi, xm, r)
+    })
+}
+
+fn hardshrink(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let l = c.args.opt_scalar("lambd").map_or(0.5, |s| s.as_f64());
+    map_only(c, &["self"], "hardshrink_cpu", DType::is_float, |b, v| {
+        let inside = inside(b, v[0], l);
+        select_k(b, inside, 0.0, v[0])
+    })
+}
+
+/// -l <= x <= l (false for NaN).
+fn inside(b: &mut Builder, x: Value, l: f64) -> Value {
+    let ge = cmp_k(b, x, -l, CmpDir::Ge);
+    let le = cmp_k(b, x, l, CmpDir::Le);
+    b.and(ge, le)
+}
+
+/// softshrink_backward / hardshrink_backward: the gradient passes outside [-l, l].
+fn shrink_backward(c: &mut Ctx, grad: &'static str) -> LResult<Vec<Out>> {
+    let l = c.args.scalar("lambd")?.as_f64();
+    map_only(
+        c,
+        &[grad, "self"],
+        "shrink_backward_cpu",
+        DType::is_float,
+        |b, v| {
+            let inside = inside(b, v[1], l);
+            select_k(b, inside, 0.0, v[0])
+        },
+    )
+}
+
+/// The two halves of `x` along `dim` (glu's split), with PyTorch's checks.
+fn glu_halves(b: &mut Builder, x: Value, dim: i64) -> LResult<(Value, Value, usize)> {
+    let shape = b.shape(x);
+    if shape.is_empty() {
+        return user_err(
+            ErrorKind::Runtime,
+            "glu does not support scalars because halving size must be even",
+        );
+    }
+    let d = wrap_dim(dim, shape.len())?;
+    if shape[d] % 2 != 0 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Halving dimension must be even, but dimension {d} is size {}",
+                shape[d]
+            ),
+        );
+    }
+    let h = shape[d] / 2;
+    let a = b.slice_dim(x, d, 0, h, 1);
+    let s = b.slice_dim(x, d, h, shape[d], 1);
+    Ok((a, s, d))
+}
+
+fn glu(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let dim = c.args.int_or("dim", -1);
+    let x = c.t("self")?;
+    let dt = c.b.dtype(x);
+    if !dt.is_float() {
+        return not_implemented("glu_cpu", dt);
+    }
+    let (a, s, _) = glu_halves(c.b, x, dim)?;
+    let sg = c.b.unary("stablehlo.logistic", s);
+    Ok(vec![Out::T(c.b.mul(a, sg))])
+}
+
+fn glu_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let dim = c.args.int("dim")?;
+    let g = c.t("grad_output")?;
+    let x = c.t("self")?;
+    let b = &mut *c.b;
+    let dt = b.dtype(x);
+    if !dt.is_float() {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "result type Float can't be cast to the desired output type {}",
+                torch_name(dt)
+            ),
+        );
+    }
+    let (a, s, d) = glu_halves(b, x, dim)?;
+    let gdt = b.dtype(g);
+    if gdt != dt {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "Found dtype {} but expected {}",
+                torch_name(gdt),
+                torch_name(dt)
+            ),
+        );
+    }
+    if b.shape(g) != b.shape(a) {
+        return crate::decline("glu_backward: grad_output is not half of self");
+    }
+    let sg = b.unary("stablehlo.logistic", s);
+    let ga = b.mul(g, sg);
+    let one = b.splat(sg, 1.0);
+    let oms = b.sub(one, sg);
+    let ds = b.mul(sg, oms);
+    let ds = b.mul(ds, a);
+    let gs = b.mul(g, ds);
+    Ok(vec![Out::T(b.concatenate(&[ga, gs], d))])
+}
+
+fn prelu(c: &mut Ctx) -> LResult<Vec<Out>> {
+    map_only(
+        c,
+        &["self", "weight"],
+        "prelu_cpu",
+        DType::is_float,
+        |b, v| {
+            let (x, w) = (v[0], v[1]);
+            let pos = cmp_k(b, x, 0.0, CmpDir::Gt);
+            let wx = b.mul(w, x);
+            b.select(pos, x, wx)
+        },
+    )
+}
+
+fn prelu_backward(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let (v, dt, _) = promote(c, &["grad_output", "self", "weight"], same)?;
+    if !dt.is_float() {
+        return not_implemented("prelu_backward_cpu", dt);
+    }
+    let b = &mut *c.b;
+    let (g, x, w) = (v[0], v[1], v[2]);
+    let pos = cmp_k(b, x, 0.0, CmpDir::Gt);
+    let wg = b.mul(w, g);
+    let gx = b.select(pos, g, wg);
+    let xg = b.mul(x, g);
+    let zero = b.splat(xg, 0.0);
+    let gw = b.select(pos, zero, xg);
+    Ok(vec![Out::T(gx), Out::T(gw)])
+}
+
+/// rrelu_with_noise's result and the noise it leaves. Evaluation: leaky_relu with the mean
+/// slope, the noise as it was. Training: each element <= 0 is scaled by a slope drawn
+/// uniformly from [lower, upper) (computed in f32, or f64), which the noise records; the
+/// noise is 1 elsewhere. The slopes come from the tpu generator, so they differ from the
+/// CPU's draws as every random op's do.
+fn rrelu(c: &mut Ctx) -> LResult<(Value, Value)> {
+    let lower = c.args.opt_scalar("lower").map_or(0.125, |s| s.as_f64());
+    let upper = c.args.opt_scalar("upper").map_or(1.0 / 3.0, |s| s.as_f64());
+    let x = c.t("self")?;
+    let noise = c.t("noise")?;
+    let dt = c.b.dtype(x);
+    if !dt.is_float() {
+        return not_implemented("leaky_relu_cpu", dt);
+    }
+    if !c.args.bool_or("training", false) {
+        let b = &mut *c.b;
+        let pos = cmp_k(b, x, 0.0, CmpDir::Gt);
+        let sx = scale(b, x, (lower + upper) / 2.0);
+        return Ok((b.select(pos, x, sx), noise));
+    }
+    let shape = c.b.shape(x);
+    if c.b.shape(noise) != shape {
+        // The CPU kernel resizes the noise first.
+        return crate::decline("rrelu_with_noise: noise of another shape");
+    }
+    let cdt = if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    };
+    let u = super::random::uniform(c, &shape, cdt);
+    let b = &mut *c.b;
+    let r = scale(b, u, upper - lower);
+    let lo = b.splat(r, lower);
+    let r = b.add(r, lo);
+    let xc = b.convert(x, cdt);
+    let neg = cmp_k(b, xc, 0.0, CmpDir::Le);
+    let scaled = b.mul(xc, r);
+    let out = b.select(neg, scaled, xc);
+    let one = b.splat(r, 1.0);
+    let nz = b.select(neg, r, one);
+    let ndt = b.dtype(noise);
+    Ok((b.convert(out, dt), b.convert(nz, ndt)))
+}
+
+/// rrelu_with_noise(_): the noise argument is written.
+fn rrelu_with_noise(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let (out, noise) = rrelu(c)?;
+    c.write_arg("noise", noise);
+    Ok(vec![Out::T(out)])
+}
+
+/// rrelu_with_noise_functional: the new noise is a second result.
+fn rrelu_with_noise_functional(c: &mut Ctx) -> LResult<Vec<Out>> {
+    let (out, noise) = rrelu(c)?;
+    Ok(vec![Out::T(out), Out::T(noise)])
+}
+
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::hardtanh", hardtanh),
     ("aten::hardtanh_backward", hardtanh_backward),
@@ -324,4 +551,21 @@ pub const RULES: &[(&str, Rule)] = &[
     ("aten::mish", mish),
     ("aten::mish_backward", mish_backward),
     ("aten::log_sigmoid_backward", log_sigmoid_backward),
+    ("aten::softshrink", softshrink),
+    ("aten::softshrink_backward", |c| {
+        shrink_backward(c, "grad_output")
+    }),
+    ("aten::hardshrink", hardshrink),
+    ("aten::hardshrink_backward", |c| {
+        shrink_backward(c, "grad_out")
+    }),
+    ("aten::glu", glu),
+    ("aten::glu_backward", glu_backward),
+    ("aten::_prelu_kernel", prelu),
+    ("aten::rrelu_with_noise", rrelu_with_noise),
+    (
+        "aten::rrelu_with_noise_functional",
+        rrelu_with_noise_functional,
+    ),
+    ("aten::_prelu_kernel_backward", prelu_backward),
 ];

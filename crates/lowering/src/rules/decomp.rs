@@ -10,7 +10,7 @@
 
 use stablehlo::{CmpDir, ReduceKind};
 
-use super::is_half;
+use super::{is_half, need_float, need_matrix, need_square};
 use crate::promote::torch_name;
 use crate::shape::{broadcast_shapes, numel, shape_str};
 use crate::{
@@ -24,45 +24,6 @@ use crate::{
 
 fn tensor(c: &Ctx, name: &str) -> LResult<TensorArg> {
     Ok(c.args.tensor(name)?.clone())
-}
-
-pub(super) fn need_matrix(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
-    if shape.len() < 2 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!("{op}: The input tensor {what} must have at least 2 dimensions."),
-        );
-    }
-    Ok(())
-}
-
-/// Checks a batch of square matrices for `op` ("linalg.cholesky", ...), named `what`.
-pub(super) fn need_square(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
-    need_matrix(op, what, shape)?;
-    let (m, n) = (shape[shape.len() - 2], shape[shape.len() - 1]);
-    if m != n {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "{op}: {what} must be batches of square matrices, but they are {m} by {n} matrices"
-            ),
-        );
-    }
-    Ok(())
-}
-
-/// The linalg frontends' dtype check (half types are left to `need_kernel`/`no_half`).
-pub(super) fn need_float(op: &str, d: DType) -> LResult<()> {
-    if !d.is_float() && !d.is_complex() {
-        return user_err(
-            ErrorKind::NotImplemented,
-            format!(
-                "{op}: Expected a floating point or complex tensor as input. Got {}",
-                torch_name(d)
-            ),
-        );
-    }
-    Ok(())
 }
 
 /// The dtype dispatch of the CPU kernel `kernel` (float32/float64 and complex only).

@@ -358,22 +358,9 @@ fn addbmm(c: &mut Ctx) -> LResult<Vec<Out>> {
 /// through a degree-18 Taylor polynomial, then the result is squared s times in a loop.
 fn matrix_exp(c: &mut Ctx) -> LResult<Vec<Out>> {
     let t = c.args.tensor("self")?.clone();
+    super::need_square("linalg.matrix_exp", "A", &t.shape)?;
     let r = t.shape.len();
-    if r < 2 {
-        return user_err(
-            ErrorKind::Runtime,
-            "linalg.matrix_exp: The input tensor A must have at least 2 dimensions.",
-        );
-    }
-    let (m, n) = (t.shape[r - 2], t.shape[r - 1]);
-    if m != n {
-        return user_err(
-            ErrorKind::Runtime,
-            format!(
-                "linalg.matrix_exp: A must be batches of square matrices, but they are {m} by {n} matrices"
-            ),
-        );
-    }
+    let n = t.shape[r - 1];
     if !t.dtype.is_float() {
         return user_err(
             ErrorKind::NotImplemented,

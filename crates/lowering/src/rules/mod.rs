@@ -6,9 +6,9 @@ use std::collections::HashMap;
 use std::sync::OnceLock;
 
 use crate::args::Scalar;
-use crate::promote::{result_type, Operand};
+use crate::promote::{result_type, torch_name, Operand};
 use crate::shape::broadcast_all;
-use crate::{Builder, Ctx, DType, LResult, Rule, TensorArg, Value};
+use crate::{user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value};
 use stablehlo::{CmpDir, ReduceKind};
 
 pub mod activations;
@@ -451,10 +451,7 @@ pub fn ramp(b: &mut Builder, s: Value, e: Value, step: Value, n: i64) -> Value {
 pub fn not_implemented<T>(kernel: &str, d: DType) -> LResult<T> {
     crate::user_err(
         crate::ErrorKind::NotImplemented,
-        format!(
-            "\"{kernel}\" not implemented for '{}'",
-            crate::promote::torch_name(d)
-        ),
+        format!("\"{kernel}\" not implemented for '{}'", torch_name(d)),
     )
 }
 
@@ -548,6 +545,101 @@ pub fn take_flat(b: &mut Builder, x: Value, idx: Value) -> Value {
 /// A scalar constant of `like`'s dtype and shape.
 pub fn splat(b: &mut Builder, like: Value, v: f64) -> Value {
     b.splat(like, v)
+}
+
+/// `f(values)` over the named operands, promoted together and mapped by `compute`.
+pub fn map(
+    c: &mut Ctx,
+    names: &[&str],
+    compute: fn(DType) -> DType,
+    f: impl FnOnce(&mut Builder, &[Value]) -> Value,
+) -> LResult<Vec<Out>> {
+    let (v, _, _) = promote(c, names, compute)?;
+    Ok(vec![Out::T(f(c.b, &v))])
+}
+
+/// Like `map`, for kernels PyTorch only has for `ok` dtypes (floating, or integral).
+pub fn map_only(
+    c: &mut Ctx,
+    names: &[&str],
+    kernel: &str,
+    ok: fn(DType) -> bool,
+    f: impl FnOnce(&mut Builder, &[Value]) -> Value,
+) -> LResult<Vec<Out>> {
+    let (v, dt, _) = promote(c, names, same)?;
+    if !ok(dt) {
+        return not_implemented(kernel, dt);
+    }
+    Ok(vec![Out::T(f(c.b, &v))])
+}
+
+/// `x <dir> k` for a constant `k`.
+pub fn cmp_k(b: &mut Builder, x: Value, k: f64, dir: CmpDir) -> Value {
+    let kv = b.splat(x, k);
+    b.compare(x, kv, dir)
+}
+
+/// `p ? k : x` for a constant `k`.
+pub fn select_k(b: &mut Builder, p: Value, k: f64, x: Value) -> Value {
+    let kv = b.splat(x, k);
+    b.select(p, kv, x)
+}
+
+/// `x + k` for a constant `k`.
+pub fn add_k(b: &mut Builder, x: Value, k: f64) -> Value {
+    let kv = b.splat(x, k);
+    b.add(x, kv)
+}
+
+/// The largest finite value of a float dtype.
+pub fn float_max(d: DType) -> f64 {
+    match d {
+        DType::F16 => 65504.0,
+        DType::BF16 => 3.389_531_389_251_535_5e38,
+        DType::F32 => f32::MAX as f64,
+        _ => f64::MAX,
+    }
+}
+
+/// Linear-algebra argument checks with PyTorch's messages: `what` of `op` has at least 2
+/// dimensions.
+pub fn need_matrix(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
+    if shape.len() < 2 {
+        return user_err(
+            ErrorKind::Runtime,
+            format!("{op}: The input tensor {what} must have at least 2 dimensions."),
+        );
+    }
+    Ok(())
+}
+
+/// Checks a batch of square matrices for `op` ("linalg.cholesky", ...), named `what`.
+pub fn need_square(op: &str, what: &str, shape: &[i64]) -> LResult<()> {
+    need_matrix(op, what, shape)?;
+    let (m, n) = (shape[shape.len() - 2], shape[shape.len() - 1]);
+    if m != n {
+        return user_err(
+            ErrorKind::Runtime,
+            format!(
+                "{op}: {what} must be batches of square matrices, but they are {m} by {n} matrices"
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// The linalg frontends' dtype check (half types are left to `need_kernel`/`no_half`).
+pub fn need_float(op: &str, d: DType) -> LResult<()> {
+    if !d.is_float() && !d.is_complex() {
+        return user_err(
+            ErrorKind::NotImplemented,
+            format!(
+                "{op}: Expected a floating point or complex tensor as input. Got {}",
+                torch_name(d)
+            ),
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@
 //! counter per returned word (u32 or u64), so counting words is a safe upper bound.
 
 use super::nn_common::{float_input, tensor};
-use super::opmath;
+use super::{float_max, opmath};
 use crate::args::Arg;
 use crate::promote::cpp_name;
 use crate::promote::torch_name;
@@ -125,16 +125,6 @@ fn digits(d: DType) -> u32 {
         DType::BF16 => 8,
         DType::F32 => 24,
         _ => 53,
-    }
-}
-
-/// Finite range of a float type.
-fn float_max(d: DType) -> f64 {
-    match d {
-        DType::F16 => 65504.0,
-        DType::BF16 => 3.389_531_389_251_535_5e38,
-        DType::F32 => f32::MAX as f64,
-        _ => f64::MAX,
     }
 }
 

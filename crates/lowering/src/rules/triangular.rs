@@ -1,7 +1,6 @@
 //! Triangular matrices and the dense linear algebra XLA has natively: tril/triu, Cholesky
 //! factors, solves and inverses, triangular solves.
 
-use super::decomp::{need_float, need_square as check_square};
 use crate::promote::torch_name;
 use crate::shape::{broadcast_shapes, numel};
 use crate::{
@@ -9,7 +8,7 @@ use crate::{
 };
 use stablehlo::{CmpDir, ReduceKind};
 
-use super::{input, is_half};
+use super::{input, is_half, need_float, need_matrix, need_square};
 
 fn tril_triu(c: &mut Ctx, lower: bool) -> LResult<Vec<Out>> {
     let t = input(c)?;
@@ -41,7 +40,7 @@ fn check_float(op: &str, d: DType) -> LResult<()> {
 
 fn cholesky_ex(c: &mut Ctx) -> LResult<Vec<Out>> {
     let a = input(c)?;
-    check_square("linalg.cholesky", "A", &a.shape)?;
+    need_square("linalg.cholesky", "A", &a.shape)?;
     check_float("linalg.cholesky", a.dtype)?;
     if c.args.bool_or("check_errors", false) {
         return decline("check_errors reads the info on the host");
@@ -164,19 +163,9 @@ fn solve_triangular(c: &mut Ctx) -> LResult<Vec<Out>> {
     let a = input(c)?;
     let rhs = c.args.tensor("B")?.clone();
     const OP: &str = "linalg.solve_triangular";
-    if a.shape.len() < 2 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!("{OP}: The input tensor A must have at least 2 dimensions."),
-        );
-    }
-    if rhs.shape.len() < 2 {
-        return user_err(
-            ErrorKind::Runtime,
-            format!("{OP}: The input tensor B must have at least 2 dimensions."),
-        );
-    }
-    check_square(OP, "A", &a.shape)?;
+    need_matrix(OP, "A", &a.shape)?;
+    need_matrix(OP, "B", &rhs.shape)?;
+    need_square(OP, "A", &a.shape)?;
     let left = c.args.bool_or("left", true);
     let (ra, rb) = (a.shape.len(), rhs.shape.len());
     let n = a.shape[ra - 1];
@@ -228,7 +217,7 @@ fn cholesky_solve_helper(c: &mut Ctx) -> LResult<Vec<Out>> {
 
 fn cholesky_inverse(c: &mut Ctx) -> LResult<Vec<Out>> {
     let f = input(c)?;
-    check_square("cholesky_inverse", "A", &f.shape)?;
+    need_square("cholesky_inverse", "A", &f.shape)?;
     if !f.dtype.is_float() {
         return super::not_implemented("cholesky_inverse_out_cpu", f.dtype);
     }
