@@ -49,22 +49,26 @@ fn for_each_run(view: &View, mut f: impl FnMut(i64, usize)) {
     }
 }
 
+/// The byte range (start, length) of a contiguous view; None for any other view.
+fn contiguous_range(view: &View, itemsize: usize) -> Option<(usize, usize)> {
+    view.is_contiguous().then(|| {
+        (
+            view.offset as usize * itemsize,
+            view.numel() as usize * itemsize,
+        )
+    })
+}
+
 /// A contiguous host view's bytes in place (None for any other view): what a synchronous
-/// upload or download can hand PJRT without a staging copy.
+/// download can hand PJRT without a staging copy.
 ///
 /// # Safety
 /// `base` must point at a live allocation covering every element of `view`, which nothing
-/// else writes while the slice is used.
+/// else reads or writes while the slice is used.
 pub unsafe fn contiguous<'a>(base: *mut u8, view: &View, itemsize: usize) -> Option<&'a mut [u8]> {
-    view.is_contiguous().then(|| {
-        // SAFETY: the caller guarantees the range is inside the allocation and unshared.
-        unsafe {
-            std::slice::from_raw_parts_mut(
-                base.add(view.offset as usize * itemsize),
-                view.numel() as usize * itemsize,
-            )
-        }
-    })
+    let (start, len) = contiguous_range(view, itemsize)?;
+    // SAFETY: the caller guarantees the range is inside the allocation and unshared.
+    Some(unsafe { std::slice::from_raw_parts_mut(base.add(start), len) })
 }
 
 /// `contiguous` for a view that is only read (an upload's source).
@@ -77,15 +81,9 @@ pub unsafe fn contiguous_ref<'a>(
     view: &View,
     itemsize: usize,
 ) -> Option<&'a [u8]> {
-    view.is_contiguous().then(|| {
-        // SAFETY: the caller guarantees the range is inside the allocation and not written.
-        unsafe {
-            std::slice::from_raw_parts(
-                base.add(view.offset as usize * itemsize),
-                view.numel() as usize * itemsize,
-            )
-        }
-    })
+    let (start, len) = contiguous_range(view, itemsize)?;
+    // SAFETY: the caller guarantees the range is inside the allocation and not written.
+    Some(unsafe { std::slice::from_raw_parts(base.add(start), len) })
 }
 
 /// Reads a strided host view into contiguous bytes.
