@@ -131,6 +131,22 @@ def test_bucketed_sums_over_short_dims_round_like_the_cpu():
 
 
 @per_op
+def test_dims_of_equal_sizes_share_one_size_only_while_equal():
+    """Dynamic dims of equal real sizes (attention's [T, T]) share one size parameter, so
+    XLA's padder adds no implicit-broadcast selects; a call where they differ must not run
+    that program: [20, 20] then [22, 23] in one bucket give the CPU's results."""
+    reset()
+    torch.manual_seed(2)
+    sizes = ((17, 17), (18, 18), (19, 21), (20, 20), (22, 23), (25, 24), (26, 26), (28, 31))
+    for n, m in sizes:
+        x, y = torch.randn(n, m), torch.randn(n, m)
+        got = (x.to("tpu") * 2 + y.to("tpu")).softmax(-1).cpu()
+        torch.testing.assert_close(got, (x * 2 + y).softmax(-1), msg=str((n, m)))
+    progs = torch_pjrt.metrics()["programs"]
+    assert progs["aten::_softmax"][1] >= 2, progs  # [T, T] and [T, U]: two bucketed programs
+
+
+@per_op
 def test_programs_grow_with_buckets_not_sizes():
     reset()
     torch.manual_seed(1)

@@ -103,6 +103,7 @@ FORWARD_OPINFOS = {
     "aten::_fused_rms_norm": ["nn.functional.rms_norm"],
     "aten::_scaled_dot_product_fused_attention_overrideable": [
         "nn.functional.scaled_dot_product_attention"],
+    "aten::nll_loss_forward": ["nn.functional.nll_loss"],
 }
 
 
@@ -130,6 +131,7 @@ BACKWARD_OPINFOS = {
     "aten::_fused_rms_norm_backward": ["nn.functional.rms_norm"],
     "aten::_scaled_dot_product_fused_attention_overrideable_backward": [
         "nn.functional.scaled_dot_product_attention"],
+    "aten::nll_loss_backward": ["nn.functional.nll_loss"],
 }
 
 

@@ -315,7 +315,58 @@ def test_bad_index_in_a_deferred_training_step_keeps_the_weights():
         for p, b in zip(model.parameters(), before, strict=True):
             torch.testing.assert_close(p.detach().cpu(), b, rtol=0, atol=0)
         step(good)
+        # The update may still be pending (with shape buckets on, `loss.item()` reads a
+        # bucketed loss computed outside the graph): it runs, donating, at the flush.
+        torch.tpu.synchronize()
         assert torch_pjrt.metrics()["donated_buffers"] > d0
+
+
+@pytest.mark.parametrize("buckets", [False, True])
+def test_bad_index_keeps_the_pending_update_of_the_step_before(buckets):
+    """With no host read between steps, the last good step's optimizer update is still
+    pending in DeferAndFuse's graph when the next step's lookup fails: the update takes
+    effect (as op by op), only the failed step is lost; the weights then follow a CPU run
+    that skipped the bad step (before, the update was dropped with the failed graph)."""
+    import copy
+
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Flatten(),
+                              torch.nn.Linear(8, 3))
+    tpu = copy.deepcopy(cpu).to("tpu")
+    good = torch.tensor([[1, 2], [3, 4]])
+
+    def stepper(model, dev):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        target = torch.tensor([0, 2], device=dev)
+
+        def step(tokens):
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.cross_entropy(model(tokens.to(dev)), target)
+            loss.backward()
+            opt.step()
+            return loss.detach()
+        return step
+
+    on_cpu, on_tpu = stepper(cpu, "cpu"), stepper(tpu, "tpu")
+    was = torch_pjrt.set_shape_buckets(buckets)
+    try:
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+            for n in (3, 5):  # the loss's sizes vary: with buckets on, nll_loss is bucketed
+                torch.nn.functional.cross_entropy(
+                    torch.randn(n, 3, device="tpu"), torch.zeros(n, dtype=torch.long,
+                                                                 device="tpu")).item()
+            for _ in range(3):  # no host read between steps: the last update stays pending
+                on_cpu(good)
+                on_tpu(good)
+            with pytest.raises(IndexError, match="index out of range in self"):
+                on_tpu(torch.tensor([[1, 2], [3, 12]]))
+                torch.tpu.synchronize()
+            for _ in range(2):
+                torch.testing.assert_close(on_tpu(good).cpu(), on_cpu(good))
+    finally:
+        torch_pjrt.set_shape_buckets(was)
+    for p, q in zip(tpu.parameters(), cpu.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach())
 
 
 def test_bad_index_in_a_compiled_graph_raises_at_the_next_read():

@@ -73,6 +73,17 @@ struct Graph {
     broken: bool,
     /// Recorded ops' data checks (see `lowering::Check`), verified after the graph runs.
     checks: Vec<(Value, ErrorKind, String)>,
+    /// Before each op with checks (its first check's index): the pending storages' values,
+    /// which stand if that op's check fails (see `keep_before_failure`).
+    snapshots: Vec<(usize, Snapshot)>,
+}
+
+/// Pending storages (their keys) and their values at one point of the graph.
+type Snapshot = Vec<(usize, Value, DType)>;
+
+/// The pending storages' values now, if any storage is pending.
+fn snapshot(lazy: &HashMap<usize, (Value, DType, Arc<Storage>)>) -> Option<Snapshot> {
+    (!lazy.is_empty()).then(|| lazy.iter().map(|(k, (v, t, _))| (*k, *v, *t)).collect())
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -126,6 +137,7 @@ impl Graph {
             capturing: false,
             broken: false,
             checks: Vec::new(),
+            snapshots: Vec::new(),
         }
     }
 }
@@ -612,6 +624,16 @@ impl Runtime {
         let mut new = Vec::new();
         {
             let mut lazy = lock(&self.defer.lazy[device]);
+            if frag
+                .outputs
+                .iter()
+                .any(|o| matches!(o, Output::Check { .. }))
+            {
+                if let Some(s) = snapshot(&lazy) {
+                    let first = g.checks.len();
+                    g.snapshots.push((first, s));
+                }
+            }
             for (o, v) in frag.outputs.iter().zip(&outs) {
                 match o {
                     Output::New { dtype, sizes } => {
@@ -758,7 +780,7 @@ impl Runtime {
         let traced = crate::trace::queued();
         // Donate an aliased input only if nothing but its storage and this graph holds the
         // buffer (a view's storage, a captured graph or an unfinished op could still read it).
-        drop(graph.params);
+        graph.params = HashMap::new();
         self.forget_finished();
         let keep: Vec<i64> = aliased
             .iter()
@@ -770,11 +792,9 @@ impl Runtime {
         if let (Some(pre), true) = (prechecks, donated > 0) {
             let cbufs: Vec<Arc<pjrt::Buffer>> =
                 pre.execute(&refs)?.into_iter().map(Arc::new).collect();
-            if let Some(e) =
-                self.failed_checks(graph.checks.iter().map(|c| (c.1, c.2.as_str())), &cbufs)?
-            {
+            if let Some((i, e)) = self.first_failed(&graph.checks, &cbufs)? {
                 // Nothing ran, nothing was donated.
-                discard_flushed(&entries, &[], &e);
+                self.keep_before_failure(device, &mut graph, &refs, &entries, i, &e);
                 return Err(e);
             }
         }
@@ -806,23 +826,92 @@ impl Runtime {
         }
         self.track("deferred graph", &bufs);
         let check_bufs = bufs.split_off(entries.len());
-        if let Some(e) = self.failed_checks(
-            graph.checks.iter().map(|c| (c.1, c.2.as_str())),
-            &check_bufs,
-        )? {
+        if let Some((i, e)) = self.first_failed(&graph.checks, &check_bufs)? {
             let donated: Vec<usize> = aliased
                 .iter()
                 .zip(&aliased_entries)
                 .filter(|(i, _)| !keep.contains(&(**i as i64)))
                 .map(|(_, j)| *j)
                 .collect();
-            discard_flushed(&entries, &donated, &e);
+            if donated.is_empty() {
+                self.keep_before_failure(device, &mut graph, &refs, &entries, i, &e);
+            } else {
+                discard_flushed(&entries, &donated, &e);
+            }
             return Err(e);
         }
         for ((_, _, dtype, storage), buf) in entries.into_iter().zip(bufs) {
             storage.set_flushed(buf, dtype);
         }
         Ok(())
+    }
+
+    /// The first failed check of `checks` (by recording order), given their values.
+    fn first_failed(
+        &self,
+        checks: &[(Value, ErrorKind, String)],
+        bufs: &[Arc<pjrt::Buffer>],
+    ) -> Result<Option<(usize, Error)>> {
+        for (i, ((_, kind, msg), b)) in checks.iter().zip(bufs).enumerate() {
+            if let Some(e) = self.check_error(b, *kind, msg)? {
+                return Ok(Some((i, e)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Check `failed` of a flushed graph failed: the op that made it writes nothing, but
+    /// the ops recorded before it take effect, as they would have one by one (the last
+    /// step's optimizer update, pending when the next step's lookup fails, is kept). Their
+    /// values come from the graph's program returning the snapshot taken before that op
+    /// (`inputs`: the graph's, not donated); later writes are dropped, later values fail.
+    fn keep_before_failure(
+        &self,
+        device: usize,
+        graph: &mut Graph,
+        inputs: &[&pjrt::Buffer],
+        entries: &[(usize, Value, DType, Arc<Storage>)],
+        failed: usize,
+        e: &Error,
+    ) {
+        let before = graph
+            .snapshots
+            .iter()
+            .rev()
+            .find(|(first, _)| *first <= failed)
+            .map(|(_, s)| s);
+        // Pending storages still alive, with their value before the failed op.
+        let kept: Vec<(usize, Value, DType)> = match before {
+            Some(s) => entries
+                .iter()
+                .filter_map(|(k, _, _, _)| s.iter().find(|(sk, _, _)| sk == k).copied())
+                .collect(),
+            None => Vec::new(),
+        };
+        let outs: Vec<Value> = kept.iter().map(|k| k.1).collect();
+        graph.b.clear_aliases();
+        let bufs = (!outs.is_empty())
+            .then(|| {
+                let exe = self.graph_program(device, graph, &outs, false).ok()?;
+                exe.execute(inputs).ok()
+            })
+            .flatten();
+        let Some(bufs) = bufs.filter(|b| b.len() == kept.len()) else {
+            discard_flushed(entries, &[], e);
+            return;
+        };
+        let mut bufs: Vec<Option<pjrt::Buffer>> = bufs.into_iter().map(Some).collect();
+        let mut rest = Vec::new();
+        for entry in entries {
+            match kept.iter().position(|k| k.0 == entry.0) {
+                Some(i) => {
+                    let buf = bufs[i].take().expect("one buffer per kept storage");
+                    entry.3.set_flushed(Arc::new(buf), kept[i].2);
+                }
+                None => rest.push(entry.clone()),
+            }
+        }
+        discard_flushed(&rest, &[], e);
     }
 
     /// The executable of `graph` returning `outs` (its aliases as set now), from the
@@ -1350,6 +1439,12 @@ impl Runtime {
         {
             // Results: the written storages' values, then the checks.
             let mut lazy = lock(&self.defer.lazy[device]);
+            if !c.checks.is_empty() {
+                if let Some(s) = snapshot(&lazy) {
+                    let first = g.checks.len();
+                    g.snapshots.push((first, s));
+                }
+            }
             let mut vals = vals.into_iter();
             for ((p, dtype), v) in written.into_iter().zip(vals.by_ref()) {
                 // SAFETY: the caller holds inputs and outputs alive during the call.

@@ -381,7 +381,13 @@ pub(crate) fn key_with(
     fn dt(k: &mut Vec<u8>, d: Option<DType>) {
         k.push(d.map(|d| d as u8 + 1).unwrap_or(0));
     }
-    fn arg(k: &mut Vec<u8>, a: &RArg, path: Path, mode: KeyMode, slots: &mut Vec<*const Storage>) {
+    /// Storages seen (their slot numbers) and the real sizes of dynamic dims seen (their
+    /// symbols: equal sizes share one size parameter, see `ProgramInputs::staged`).
+    struct Seen {
+        slots: Vec<*const Storage>,
+        sizes: Vec<i64>,
+    }
+    fn arg(k: &mut Vec<u8>, a: &RArg, path: Path, mode: KeyMode, seen: &mut Seen) {
         match a {
             RArg::None => k.push(b'N'),
             RArg::Tensor(t) => {
@@ -396,6 +402,13 @@ pub(crate) fn key_with(
                             num(k, dims.len() as i64);
                             for (d, s) in dims.iter().zip(&t.view.sizes) {
                                 num(k, d.map_or(*s, |b| -b));
+                                if d.is_some() {
+                                    let sym = seen.sizes.iter().position(|x| x == s);
+                                    num(k, sym.unwrap_or(seen.sizes.len()) as i64);
+                                    if sym.is_none() {
+                                        seen.sizes.push(*s);
+                                    }
+                                }
                             }
                             // Read in the program from a packed buffer, or staged on the host.
                             let dynamic = dims.iter().any(|d| d.is_some());
@@ -427,9 +440,9 @@ pub(crate) fn key_with(
                 match t.loc {
                     Loc::Host(_) => k.push(b'h'),
                     Loc::Device(p) => {
-                        let s = slots.iter().position(|q| *q == p).unwrap_or_else(|| {
-                            slots.push(p);
-                            slots.len() - 1
+                        let s = seen.slots.iter().position(|q| *q == p).unwrap_or_else(|| {
+                            seen.slots.push(p);
+                            seen.slots.len() - 1
                         });
                         k.push(b's');
                         num(k, s as i64);
@@ -467,7 +480,7 @@ pub(crate) fn key_with(
                 k.push(b'[');
                 num(k, items.len() as i64);
                 for (j, a) in items.iter().enumerate() {
-                    arg(k, a, (path.0, Some(j)), mode, slots);
+                    arg(k, a, (path.0, Some(j)), mode, seen);
                 }
             }
             RArg::Generator(_) => k.push(b'G'),
@@ -486,7 +499,10 @@ pub(crate) fn key_with(
         KeyMode::Signature => b'S',
         KeyMode::Bucket(_) => b'B',
     });
-    let mut slots: Vec<*const Storage> = Vec::new();
+    let mut seen = Seen {
+        slots: Vec::new(),
+        sizes: Vec::new(),
+    };
     let unread = lowering::rules::unread_args(op);
     for (i, p) in params.iter().enumerate() {
         text(&mut k, &p.name);
@@ -499,7 +515,7 @@ pub(crate) fn key_with(
             num(&mut k, items.len() as i64);
             continue;
         }
-        arg(&mut k, &p.arg, (i, None), mode, &mut slots);
+        arg(&mut k, &p.arg, (i, None), mode, &mut seen);
     }
     // Compiled under custom_compiler_options: another program.
     k.extend_from_slice(&crate::options::key_part());
@@ -1211,6 +1227,10 @@ struct ProgramInputs<'a> {
     inputs: Vec<Input>,
     rng_consumed: u64,
     staging: Option<&'a crate::buckets::Staging>,
+    /// The size parameters of dynamic dims, by real size: equal sizes share one (the key
+    /// says which are equal), so XLA's padder sees one dynamic size where it would
+    /// otherwise guard each elementwise op with implicit-broadcast selects.
+    sizes: Vec<(i64, Value)>,
 }
 
 impl Sources for ProgramInputs<'_> {
@@ -1272,8 +1292,16 @@ impl Sources for ProgramInputs<'_> {
         };
         for (d, bk) in dims.iter().enumerate() {
             if bk.is_some() {
-                self.inputs.push(Input::Size { path, dim: d });
-                let n = b.param(TensorType::scalar(DType::I32));
+                let real = t.view.sizes[d];
+                let n = match self.sizes.iter().find(|(s, _)| *s == real) {
+                    Some((_, n)) => *n,
+                    None => {
+                        self.inputs.push(Input::Size { path, dim: d });
+                        let n = b.param(TensorType::scalar(DType::I32));
+                        self.sizes.push((real, n));
+                        n
+                    }
+                };
                 v = b.set_dimension_size(v, d, n);
             }
         }
@@ -1426,6 +1454,7 @@ pub(crate) fn static_tails(
             inputs: Vec::new(),
             rng_consumed: 0,
             staging: Some(st),
+            sizes: Vec::new(),
         };
         match lower_into(&mut b, &mut src, op, overload, device, params, var).ok()? {
             LowerOutcome::Done(l) => Some(
@@ -1482,6 +1511,7 @@ pub(crate) fn plan_with(
         inputs: Vec::new(),
         rng_consumed: 0,
         staging,
+        sizes: Vec::new(),
     };
     let low = match lower_into(&mut b, &mut src, op, overload, device, params, var)? {
         LowerOutcome::Done(l) => l,

@@ -338,6 +338,11 @@ impl Builder {
         self.aliases.push((param, output));
     }
 
+    /// Forgets every `alias`: the next module donates nothing.
+    pub fn clear_aliases(&mut self) {
+        self.aliases.clear();
+    }
+
     /// The type of the `i`-th parameter.
     pub fn param_type(&self, i: usize) -> &TensorType {
         self.ty(self.params[i])

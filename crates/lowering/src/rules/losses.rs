@@ -2,7 +2,7 @@
 //! the reduction they share), multi-margin and multilabel-margin losses, CTC loss.
 //!
 //! NLL's CPU kernel also checks target *values* (in range); that check runs on the device
-//! (`Ctx::check_range`).
+//! (`Ctx::check_index_into`).
 
 use stablehlo::{CmpDir, ReduceKind};
 
@@ -1313,11 +1313,11 @@ pub(super) fn nll_loss(c: &mut Ctx, two_d: bool) -> LResult<Vec<Out>> {
     let ignored = b.compare(ti, ii, CmpDir::Eq);
     let zero = b.splat(ti, 0.0);
     let checked = b.select(ignored, zero, ti);
-    let classes = x.shape[cd];
-    c.check_range(
+    // Against the real class count: a padded program (shape buckets) sees its bound.
+    c.check_index_into(
         checked,
-        0,
-        classes,
+        x.value,
+        cd,
         ErrorKind::Index,
         "Target {index} is out of bounds.".into(),
     );
@@ -1395,6 +1395,10 @@ fn nll_loss_backward(c: &mut Ctx, two_d: bool) -> LResult<Vec<Out>> {
     let gi = b.select(m, cb, z);
     Ok(vec![Out::T(b.convert(gi, x.dtype))])
 }
+
+/// NLL (forward and backward) serves a range of sizes (shape buckets): the batch of a
+/// language model's loss grows with the sequence length.
+pub const SERVES_SIZES: &[&str] = &["aten::nll_loss_forward", "aten::nll_loss_backward"];
 
 pub const RULES: &[(&str, Rule)] = &[
     ("aten::nll_loss_forward", |c| nll_loss(c, false)),

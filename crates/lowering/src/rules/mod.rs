@@ -164,8 +164,9 @@ pub fn outs_exclude_each_other(op: &str) -> Option<&'static str> {
     }
 }
 
-fn sized_families() -> [&'static [&'static str]; 10] {
+fn sized_families() -> [&'static [&'static str]; 11] {
     [
+        losses::SERVES_SIZES,
         attention::SERVES_SIZES,
         pointwise::SERVES_SIZES,
         normalization::SERVES_SIZES,
