@@ -256,3 +256,38 @@ def test_training_over_varying_lengths_matches_cpu():
     if torch.tpu.eager_mode != torch.tpu.EagerMode.DEFER_AND_FUSE:
         assert torch_pjrt.metrics()["new_shapes_served"] > 0
 
+
+
+@per_op
+def test_a_gradient_read_by_many_calls_of_a_step_is_still_bucketed():
+    """A residual stream's gradient is the same storage for every branch's bias: summed by
+    four calls in one step, it looked like a parameter (read by many calls: "persistent",
+    never staged), so each new length compiled the bias sums exactly. A storage is
+    persistent only once read in a later training step than its first."""
+
+    class Branches(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.branches = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+
+        def forward(self, x):
+            return x + sum(b(x) for b in self.branches)
+
+    torch.manual_seed(0)
+    cpu = Branches()
+    tpu = Branches()
+    tpu.load_state_dict(cpu.state_dict())
+    tpu = tpu.to("tpu")
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (cpu, tpu)]
+    reset()
+    lengths = (17, 19, 21, 23, 25, 27, 29, 31, 18, 20)
+    for t in lengths:
+        x = torch.randn(4, t, 16)
+        for m, opt, dev in ((cpu, opts[0], "cpu"), (tpu, opts[1], "tpu")):
+            opt.zero_grad()
+            m(x.to(dev)).square().mean().backward()
+            opt.step()
+    for p, q in zip(cpu.parameters(), tpu.parameters(), strict=True):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-4)
+    built, bucketed, served = torch_pjrt.metrics()["programs"]["aten::sum"]
+    assert built - bucketed <= 4 and served >= 4 * (len(lengths) - 3), (built, bucketed, served)

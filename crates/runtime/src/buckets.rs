@@ -84,11 +84,14 @@ fn class(n: i64) -> u8 {
 }
 
 struct Sig {
-    /// How often each tensor position has seen each storage: one read by many calls is a
-    /// persistent tensor (a parameter), never staged: its sizes differ between call sites
-    /// (layers), not over time. An activation is read by a few calls only (q, k and v
-    /// projections: three).
-    ids: Vec<HashMap<u64, u32>>,
+    /// How often each tensor position has seen each storage, and the training step
+    /// (`Buckets::step`) it was first seen in: one read by many calls is a persistent
+    /// tensor (a parameter), never staged: its sizes differ between call sites (layers),
+    /// not over time. An activation is read by a few calls only (q, k and v projections:
+    /// three); a gradient may be read by more (a residual stream's gradient summed for
+    /// four biases) but never past its step, so once steps are counted, persistent also
+    /// means read in a later step than the first.
+    ids: Vec<HashMap<u64, (u32, u64)>>,
     /// Per tensor position and dim, the distinct sizes seen (the first few), from tensors
     /// that are not persistent.
     seen: Vec<Vec<Vec<i64>>>,
@@ -166,6 +169,8 @@ pub struct Buckets {
     sizes: Mutex<HashMap<Vec<u8>, (NewSizes, u32)>>,
     /// Signature -> the exact shapes it has served (`STATIC_SHAPES`).
     shapes: Mutex<HashMap<Vec<u8>, u32>>,
+    /// Optimizer steps ended so far (`Runtime::step_boundary`); 0 outside training.
+    step: std::sync::atomic::AtomicU64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -251,6 +256,7 @@ impl Buckets {
         }
         let sig = crate::exec::signature(op, overload, device, params);
         let ts = crate::exec::tensors(params);
+        let step = self.step.load(std::sync::atomic::Ordering::Relaxed);
         let mut sigs = lock(&self.sigs);
         let Some(s) = sigs.get_mut(&sig) else {
             if sigs.len() >= 1 << 16 {
@@ -258,7 +264,7 @@ impl Buckets {
             }
             let ids = ts
                 .iter()
-                .map(|(_, t)| t.storage().map(|s| (s.id, 1)).into_iter().collect())
+                .map(|(_, t)| t.storage().map(|s| (s.id, (1, step))).into_iter().collect())
                 .collect();
             let seen = ts
                 .iter()
@@ -287,11 +293,11 @@ impl Buckets {
             if let Some(id) = t.storage().map(|s| s.id) {
                 let seen = &mut s.ids[i];
                 if seen.len() >= 4096 {
-                    seen.retain(|_, n| *n >= PERSISTENT);
+                    seen.retain(|_, n| n.0 >= PERSISTENT);
                 }
-                let n = seen.entry(id).or_default();
+                let (n, first) = seen.entry(id).or_insert((0, step));
                 *n = n.saturating_add(1);
-                persistent[i] = *n >= PERSISTENT;
+                persistent[i] = *n >= PERSISTENT && (step == 0 || *first < step);
             }
         }
         for (i, (_, t)) in ts.iter().enumerate() {
@@ -373,6 +379,11 @@ impl Buckets {
         }
         // Nothing to pad (the dynamic sizes are 1 here): the exact program.
         (!staging.staged.is_empty()).then_some(staging)
+    }
+
+    /// An optimizer step ended (see `Sig::ids`).
+    pub(crate) fn step_ended(&self) {
+        self.step.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Forgets every signature's sizes and the calls per exact shape (programs stay

@@ -1022,6 +1022,7 @@ impl Runtime {
     /// of at the size limit, which cuts a step at a different op each time (a new program
     /// each time). A loop reading its loss after each step is unaffected.
     pub fn step_boundary(&self) -> Result<()> {
+        self.buckets.step_ended();
         if crate::mode::get() != crate::mode::EagerMode::DeferAndFuse {
             return Ok(());
         }
