@@ -1385,7 +1385,8 @@ fn packed_result(b: &mut Builder, v: Value, real: &[Value], tail: usize) -> Valu
     }
     let (lead, block) = shape.split_at(k);
     let rows: i64 = lead.iter().product();
-    let it = index_type(rows);
+    // Padding rows go past the end, each to its own index (`2 * rows` fits the type).
+    let it = index_type(2 * rows);
     let mut dest: Option<Value> = None;
     let mut inside: Option<Value> = None;
     let mut stride = b.constant_i64(it, 1);
@@ -1410,7 +1411,11 @@ fn packed_result(b: &mut Builder, v: Value, real: &[Value], tail: usize) -> Valu
     }
     let idx = match (dest, inside) {
         (Some(dest), Some(inside)) => {
-            let past = b.full(it, lead, rows as f64);
+            // The scatter says its indices are unique: padding rows must not share one.
+            let flat = b.iota(it, &[rows], 0);
+            let flat = b.reshape(flat, lead);
+            let end = b.full(it, lead, rows as f64);
+            let past = b.add(flat, end);
             b.select(inside, dest, past)
         }
         _ => b.full(it, lead, 0.0),
