@@ -162,6 +162,36 @@ fn read_block(t: &TensorRef, dims: &[Option<i64>]) -> usize {
     n
 }
 
+/// How many trailing dims a bucketed program reads as rows of the staged view held in a
+/// buffer of `cap` elements: `read_block`'s, or, when the innermost dim is padded (rows of
+/// one element), that dim whole at its bucket's width. A row then runs past the view's real
+/// elements into whatever follows in the buffer (padding to XLA's padder), so only where
+/// every real row's start plus the width stays inside the buffer (a packed buffer: always,
+/// see ARCHITECTURE.md), else XLA's gather would clamp the start and shift real elements.
+/// Part of the program's key.
+fn read_rows(t: &TensorRef, dims: &[Option<i64>], cap: i64) -> usize {
+    let n = read_block(t, dims);
+    let v = &t.view;
+    let Some(last) = v.sizes.len().checked_sub(1) else {
+        return n;
+    };
+    let Some(width) = dims[last] else {
+        return n;
+    };
+    if n > 0 || v.strides[last] != 1 || v.strides.iter().any(|s| *s < 0) {
+        return n;
+    }
+    let last_start: i64 = v.offset
+        + (0..last)
+            .map(|d| (v.sizes[d] - 1) * v.strides[d])
+            .sum::<i64>();
+    if last_start + width <= cap {
+        1
+    } else {
+        0
+    }
+}
+
 /// The index type for positions below `n`: i32 where it fits (XLA:CPU's index math is
 /// cheaper), else i64.
 fn index_type(n: i64) -> DType {
@@ -415,7 +445,7 @@ pub(crate) fn key_with(
                             match packed_source(t, dynamic) {
                                 Some(pd) => {
                                     ints(k, &pd);
-                                    num(k, read_block(t, dims) as i64);
+                                    num(k, read_rows(t, dims, pd.iter().product()) as i64);
                                 }
                                 None => k.push(b'h'),
                             }
@@ -1254,8 +1284,8 @@ impl Sources for ProgramInputs<'_> {
                 let buf = b.param(TensorType::new(dtype, &pd));
                 let flat = b.reshape(buf, &[cap]);
                 // Rows of the trailing static dims adjacent in memory are read whole
-                // (`read_block`): one index per row instead of one per element.
-                let k = padded.len() - read_block(t, dims);
+                // (`read_rows`): one index per row instead of one per element.
+                let k = padded.len() - read_rows(t, dims, cap);
                 let (lead, block) = padded.split_at(k);
                 let it = index_type(cap);
                 self.inputs.push(Input::ViewInt { path, dim: None });
@@ -2184,4 +2214,37 @@ pub(crate) fn failed_check(
         })
         .unzip();
     rt.failed_checks(checks, &bufs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(sizes: &[i64], strides: &[i64], offset: i64) -> TensorRef {
+        TensorRef {
+            loc: Loc::Host(std::ptr::null_mut()),
+            dtype: Some(DType::F32),
+            view: View {
+                sizes: sizes.to_vec(),
+                strides: strides.to_vec(),
+                offset,
+            },
+            nbytes: 0,
+            wrapped: false,
+            device: 0,
+        }
+    }
+
+    #[test]
+    fn a_padded_innermost_dim_is_read_whole_only_inside_the_buffer() {
+        let padded = [None, Some(32)];
+        // [3, 20] packed in a [3, 32] buffer: the last row starts at 40, 40 + 32 <= 96.
+        assert_eq!(read_rows(&view(&[3, 20], &[20, 1], 0), &padded, 96), 1);
+        // The same view near the end of a buffer of 70: a row read whole would be clamped.
+        assert_eq!(read_rows(&view(&[3, 20], &[20, 1], 0), &padded, 70), 0);
+        // Strided innermost dim: one element at a time.
+        assert_eq!(read_rows(&view(&[3, 20], &[1, 3], 0), &padded, 96), 0);
+        // Static trailing dims keep their rows.
+        assert_eq!(read_rows(&view(&[20, 8], &[8, 1], 0), &[Some(32), None], 256), 1);
+    }
 }
