@@ -2245,6 +2245,9 @@ mod tests {
         // Strided innermost dim: one element at a time.
         assert_eq!(read_rows(&view(&[3, 20], &[1, 3], 0), &padded, 96), 0);
         // Static trailing dims keep their rows.
-        assert_eq!(read_rows(&view(&[20, 8], &[8, 1], 0), &[Some(32), None], 256), 1);
+        assert_eq!(
+            read_rows(&view(&[20, 8], &[8, 1], 0), &[Some(32), None], 256),
+            1
+        );
     }
 }
