@@ -136,7 +136,7 @@ impl Runtime {
         &self,
         device: usize,
         reason: &str,
-        graph: Graph,
+        mut graph: Graph,
         inputs: Vec<Arc<pjrt::Buffer>>,
         entries: Vec<Entry>,
         needed: &[bool],
@@ -207,10 +207,10 @@ impl Runtime {
         let plain: Vec<Value> = now_params.iter().map(|p| p.0).collect();
         let alias_list: Vec<(Value, usize)> = now_aliases.iter().map(|a| (a.0, a.1)).collect();
         let exe = now.program(self, device, &graph, &plain, &alias_list, &now_outs)?;
-        let now_checks: Vec<(ErrorKind, &str)> = now
+        let now_checks: Vec<(Value, ErrorKind, String)> = now
             .checks
             .iter()
-            .map(|c| (graph.checks[*c].1, graph.checks[*c].2.as_str()))
+            .map(|c| graph.checks[*c].clone())
             .collect();
         let precheck = now.precheck(self, device, &graph, &plain, !now_aliases.is_empty())?;
 
@@ -248,7 +248,8 @@ impl Runtime {
             !later_aliases.is_empty(),
         )?;
 
-        // Run the read part, as a whole flush would.
+        // Run the read part, as a whole flush would (counted even if its check fails).
+        self.metrics.split_flushes.fetch_add(1, Ordering::Relaxed);
         self.forget_finished();
         let refs: Vec<&pjrt::Buffer> = now_params.iter().map(|p| inputs[p.1].as_ref()).collect();
         let keep: Vec<i64> = now_aliases
@@ -264,8 +265,11 @@ impl Runtime {
         if let (Some(pre), false) = (precheck, donated.is_empty()) {
             let cbufs: Vec<Arc<pjrt::Buffer>> =
                 pre.execute(&refs)?.into_iter().map(Arc::new).collect();
-            if let Some(e) = self.failed_checks(now_checks.iter().copied(), &cbufs)? {
-                discard_flushed(&entries, &[], &e);
+            if let Some((i, e)) = self.first_failed(&now_checks, &cbufs)? {
+                // Nothing ran: the ops before the failed one still take effect.
+                drop(refs);
+                let all: Vec<&pjrt::Buffer> = inputs.iter().map(|b| b.as_ref()).collect();
+                self.keep_before_failure(device, &mut graph, &all, &entries, now.checks[i], &e);
                 return Err(e);
             }
         }
@@ -280,12 +284,17 @@ impl Runtime {
             .donated_buffers
             .fetch_add(donated.len() as u64, Ordering::Relaxed);
         self.metrics.flushed(graph.ops, reason);
-        self.metrics.split_flushes.fetch_add(1, Ordering::Relaxed);
         self.track("deferred graph", &bufs);
         let check_bufs = bufs.split_off(n_values.min(bufs.len()));
-        if let Some(e) = self.failed_checks(now_checks.iter().copied(), &check_bufs)? {
-            // Nothing is queued: the whole graph's values are discarded.
-            discard_flushed(&entries, &donated, &e);
+        if let Some((i, e)) = self.first_failed(&now_checks, &check_bufs)? {
+            // Nothing is queued. Without donation the ops before the failed one take effect
+            // (computed again from the graph's inputs); else the graph's values are dropped.
+            if donated.is_empty() {
+                let all: Vec<&pjrt::Buffer> = inputs.iter().map(|b| b.as_ref()).collect();
+                self.keep_before_failure(device, &mut graph, &all, &entries, now.checks[i], &e);
+            } else {
+                discard_flushed(&entries, &donated, &e);
+            }
             return Err(e);
         }
         for (j, buf) in now.entries.iter().zip(&bufs) {
