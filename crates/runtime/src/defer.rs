@@ -81,9 +81,9 @@ struct Graph {
 /// Pending storages (their keys) and their values at one point of the graph.
 type Snapshot = Vec<(usize, Value, DType)>;
 
-/// The pending storages' values now, if any storage is pending.
-fn snapshot(lazy: &HashMap<usize, (Value, DType, Arc<Storage>)>) -> Option<Snapshot> {
-    (!lazy.is_empty()).then(|| lazy.iter().map(|(k, (v, t, _))| (*k, *v, *t)).collect())
+/// A graph's checks as `Runtime::first_failed_check` reads them.
+fn check_kinds(checks: &[(Value, ErrorKind, String)]) -> impl Iterator<Item = (ErrorKind, &str)> {
+    checks.iter().map(|c| (c.1, c.2.as_str()))
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -121,6 +121,15 @@ impl Graph {
             .map(|f| f.text.as_str())
             .collect();
         self.b.finish_with(outs, &texts)
+    }
+
+    /// Before recording an op with checks: the pending storages' values (`lazy`), if any,
+    /// kept in case that op's check fails.
+    fn snapshot(&mut self, lazy: &HashMap<usize, (Value, DType, Arc<Storage>)>) {
+        if !lazy.is_empty() {
+            let s = lazy.iter().map(|(k, (v, t, _))| (*k, *v, *t)).collect();
+            self.snapshots.push((self.checks.len(), s));
+        }
     }
 
     fn new() -> Graph {
@@ -629,10 +638,7 @@ impl Runtime {
                 .iter()
                 .any(|o| matches!(o, Output::Check { .. }))
             {
-                if let Some(s) = snapshot(&lazy) {
-                    let first = g.checks.len();
-                    g.snapshots.push((first, s));
-                }
+                g.snapshot(&lazy);
             }
             for (o, v) in frag.outputs.iter().zip(&outs) {
                 match o {
@@ -792,7 +798,7 @@ impl Runtime {
         if let (Some(pre), true) = (prechecks, donated > 0) {
             let cbufs: Vec<Arc<pjrt::Buffer>> =
                 pre.execute(&refs)?.into_iter().map(Arc::new).collect();
-            if let Some((i, e)) = self.first_failed(&graph.checks, &cbufs)? {
+            if let Some((i, e)) = self.first_failed_check(check_kinds(&graph.checks), &cbufs)? {
                 // Nothing ran, nothing was donated.
                 self.keep_before_failure(device, &mut graph, &refs, &entries, i, &e);
                 return Err(e);
@@ -826,7 +832,7 @@ impl Runtime {
         }
         self.track("deferred graph", &bufs);
         let check_bufs = bufs.split_off(entries.len());
-        if let Some((i, e)) = self.first_failed(&graph.checks, &check_bufs)? {
+        if let Some((i, e)) = self.first_failed_check(check_kinds(&graph.checks), &check_bufs)? {
             let donated: Vec<usize> = aliased
                 .iter()
                 .zip(&aliased_entries)
@@ -844,20 +850,6 @@ impl Runtime {
             storage.set_flushed(buf, dtype);
         }
         Ok(())
-    }
-
-    /// The first failed check of `checks` (by recording order), given their values.
-    fn first_failed(
-        &self,
-        checks: &[(Value, ErrorKind, String)],
-        bufs: &[Arc<pjrt::Buffer>],
-    ) -> Result<Option<(usize, Error)>> {
-        for (i, ((_, kind, msg), b)) in checks.iter().zip(bufs).enumerate() {
-            if let Some(e) = self.check_error(b, *kind, msg)? {
-                return Ok(Some((i, e)));
-            }
-        }
-        Ok(None)
     }
 
     /// Check `failed` of a flushed graph failed: the op that made it writes nothing, but
@@ -1441,10 +1433,7 @@ impl Runtime {
             // Results: the written storages' values, then the checks.
             let mut lazy = lock(&self.defer.lazy[device]);
             if !c.checks.is_empty() {
-                if let Some(s) = snapshot(&lazy) {
-                    let first = g.checks.len();
-                    g.snapshots.push((first, s));
-                }
+                g.snapshot(&lazy);
             }
             let mut vals = vals.into_iter();
             for ((p, dtype), v) in written.into_iter().zip(vals.by_ref()) {

@@ -368,9 +368,18 @@ impl Runtime {
         checks: impl IntoIterator<Item = (ErrorKind, &'a str)>,
         bufs: &[Arc<pjrt::Buffer>],
     ) -> Result<Option<Error>> {
-        for ((kind, msg), b) in checks.into_iter().zip(bufs) {
+        Ok(self.first_failed_check(checks, bufs)?.map(|(_, e)| e))
+    }
+
+    /// `failed_checks` with the failed check's index (its op's place in a graph).
+    pub(crate) fn first_failed_check<'a>(
+        &self,
+        checks: impl IntoIterator<Item = (ErrorKind, &'a str)>,
+        bufs: &[Arc<pjrt::Buffer>],
+    ) -> Result<Option<(usize, Error)>> {
+        for (i, ((kind, msg), b)) in checks.into_iter().zip(bufs).enumerate() {
             if let Some(e) = self.check_error(b, kind, msg)? {
-                return Ok(Some(e));
+                return Ok(Some((i, e)));
             }
         }
         Ok(None)

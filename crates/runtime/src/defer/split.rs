@@ -207,10 +207,10 @@ impl Runtime {
         let plain: Vec<Value> = now_params.iter().map(|p| p.0).collect();
         let alias_list: Vec<(Value, usize)> = now_aliases.iter().map(|a| (a.0, a.1)).collect();
         let exe = now.program(self, device, &graph, &plain, &alias_list, &now_outs)?;
-        let now_checks: Vec<(Value, ErrorKind, String)> = now
+        let now_checks: Vec<(ErrorKind, &str)> = now
             .checks
             .iter()
-            .map(|c| graph.checks[*c].clone())
+            .map(|c| (graph.checks[*c].1, graph.checks[*c].2.as_str()))
             .collect();
         let precheck = now.precheck(self, device, &graph, &plain, !now_aliases.is_empty())?;
 
@@ -265,7 +265,7 @@ impl Runtime {
         if let (Some(pre), false) = (precheck, donated.is_empty()) {
             let cbufs: Vec<Arc<pjrt::Buffer>> =
                 pre.execute(&refs)?.into_iter().map(Arc::new).collect();
-            if let Some((i, e)) = self.first_failed(&now_checks, &cbufs)? {
+            if let Some((i, e)) = self.first_failed_check(now_checks.iter().copied(), &cbufs)? {
                 // Nothing ran: the ops before the failed one still take effect.
                 drop(refs);
                 let all: Vec<&pjrt::Buffer> = inputs.iter().map(|b| b.as_ref()).collect();
@@ -286,7 +286,7 @@ impl Runtime {
         self.metrics.flushed(graph.ops, reason);
         self.track("deferred graph", &bufs);
         let check_bufs = bufs.split_off(n_values.min(bufs.len()));
-        if let Some((i, e)) = self.first_failed(&now_checks, &check_bufs)? {
+        if let Some((i, e)) = self.first_failed_check(now_checks.iter().copied(), &check_bufs)? {
             // Nothing is queued. Without donation the ops before the failed one take effect
             // (computed again from the graph's inputs); else the graph's values are dropped.
             if donated.is_empty() {
