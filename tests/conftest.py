@@ -223,8 +223,12 @@ def compare(fn, *args, atol=None, rtol=None, check_fallback=False, check_args=Tr
 
 @pytest.fixture(autouse=True)
 def _restore_global_state():
-    """Undoes the global switches a failing test may leave behind."""
+    """Undoes the global switches a failing test may leave behind. Each test starts with no
+    shape history: with shape buckets on, sizes an earlier test saw would make this test's
+    ops dynamic (bucketed, and in DeferAndFuse outside the graph), so a test's result would
+    depend on the order."""
     dev = torch.tpu.current_device()
+    torch_pjrt._C.forget_shape_history()
     yield
     torch_pjrt.enable_cpu_fallback = True
     if torch.tpu.current_device() != dev:

@@ -254,3 +254,55 @@ fn plugin_load_errors() {
         assert!(e.message.contains("GetPjrtApi"), "{e}");
     }
 }
+
+/// Shape buckets keep a result in its padded shape (`Builder::forget_dynamic_sizes`): a value
+/// whose dim XLA's padder knows to be dynamic leaves as a plain static buffer once the dim is
+/// marked dynamic in a bounded type and then set to its bound. Set to the bound from a static
+/// operand type, the result keeps its size metadata (the buffer is 4 bytes longer and no
+/// program's static parameter takes it).
+#[test]
+fn a_dynamic_dim_set_to_its_bound_leaves_as_a_static_buffer() {
+    let program = |operand: &str| {
+        format!(
+            "module {{
+  func.func public @main(%x: tensor<16xf32>, %n: tensor<i32>) -> (tensor<16xf32>, tensor<f32>) {{
+    %y = stablehlo.set_dimension_size %x, %n, dim = 0 : (tensor<16xf32>, tensor<i32>) -> tensor<16xf32>
+    %z = stablehlo.add %y, %y : tensor<16xf32>
+    %zero = stablehlo.constant dense<0.0> : tensor<f32>
+    %s = stablehlo.reduce(%z init: %zero) applies stablehlo.add across dimensions = [0] : (tensor<16xf32>, tensor<f32>) -> tensor<f32>
+    %b = stablehlo.constant dense<16> : tensor<i32>
+    {operand}
+    %w = stablehlo.set_dimension_size %m, %b, dim = 0 : ({}, tensor<i32>) -> tensor<16xf32>
+    return %w, %s : tensor<16xf32>, tensor<f32>
+  }}
+}}",
+            if operand.is_empty() {
+                "tensor<16xf32>"
+            } else {
+                "tensor<?xf32, #stablehlo.bounds<16>>"
+            }
+        )
+    };
+    let c = client();
+    let xs: Vec<f32> = (0..16).map(|i| i as f32).collect();
+    let x = upload(&c, &xs, 0);
+    let n = c
+        .buffer_from_host(&5i32.to_le_bytes(), ElementType::S32, &[], 0)
+        .unwrap();
+    let bounded = "%m = stablehlo.set_dimension_size %z, %n, dim = 0 : (tensor<16xf32>, tensor<i32>) -> tensor<?xf32, #stablehlo.bounds<16>>";
+    let exe = c.compile(&program(bounded), 0).expect("compile");
+    let out = exe.execute(&[&x, &n]).unwrap();
+    assert_eq!(out[0].unpadded_dims().unwrap(), vec![16]);
+    // The real part, then padding (here the doubled rest: XLA computed it).
+    assert_eq!(&to_f32(&out[0])[..5], &[0.0, 2.0, 4.0, 6.0, 8.0]);
+    assert_eq!(to_f32(&out[1]), vec![20.0]);
+    // It feeds a program's static parameter as it is.
+    let again = exe.execute(&[&out[0], &n]).unwrap();
+    assert_eq!(to_f32(&again[1]), vec![40.0]);
+    // Without the bounded type: still dynamic.
+    let plain = program("").replace("%m, %b", "%z, %b");
+    let exe = c.compile(&plain, 0).expect("compile");
+    let out = exe.execute(&[&x, &n]).unwrap();
+    assert_eq!(out[0].unpadded_dims().unwrap(), vec![5]);
+    assert!(exe.execute(&[&out[0], &n]).is_err());
+}

@@ -16,9 +16,9 @@
 //!   XLA's dynamic padder then makes every op of the rule exact on the real part (reductions
 //!   and contractions ignore the padding, concatenation packs, softmax normalizes over the
 //!   real length);
-//! - XLA returns a dynamic result packed at the front of its padded buffer, in row-major
-//!   order of the real shape (`PJRT_Buffer_UnpaddedDimensions` says the real sizes): the
-//!   first elements are the new storage.
+//! - a result leaves as a static buffer of its padded shape (`Padded`), which the next
+//!   bucketed program reads where it lies (`read_in` maps a view of the real tensor into
+//!   it); other readers get the real elements compacted (`unpadded`).
 //!
 //! So programs per op grow with the number of buckets (logarithmic in the sizes seen), and
 //! a size inside a known bucket compiles nothing. The real output sizes of a new tensor come
@@ -32,7 +32,7 @@ use stablehlo::DType;
 
 use crate::exec::{Loc, Param, Path, RArg, TensorRef, Variant};
 use crate::layout::View;
-use crate::{Error, Result, Runtime};
+use crate::{Result, Runtime};
 
 static ENABLED: std::sync::atomic::AtomicU8 = std::sync::atomic::AtomicU8::new(2);
 
@@ -114,9 +114,6 @@ struct Sig {
 pub(crate) struct Staging {
     pub staged: HashMap<Path, Vec<Option<i64>>>,
     pub sig: Vec<u8>,
-    /// For each result of the program (new tensors, then writes), how many of its trailing
-    /// dims keep their size whatever the real sizes (`exec::static_tails`); None: unknown.
-    pub tails: Option<Vec<usize>>,
 }
 
 impl Staging {
@@ -127,28 +124,6 @@ impl Staging {
                 .map(|(b, s)| b.unwrap_or(*s))
                 .collect()
         })
-    }
-
-    /// How many trailing dims of result `i` (of rank `rank`) keep their size (0: unknown).
-    pub fn tail(&self, i: usize, rank: usize) -> usize {
-        self.tails
-            .as_ref()
-            .and_then(|t| t.get(i))
-            .map_or(0, |t| (*t).min(rank))
-    }
-
-    /// The same staging with every bucket twice as large: what a result's size depends on.
-    pub fn doubled(&self) -> Staging {
-        let staged = self
-            .staged
-            .iter()
-            .map(|(p, dims)| (*p, dims.iter().map(|b| b.map(|b| b * 2)).collect()))
-            .collect();
-        Staging {
-            staged,
-            sig: self.sig.clone(),
-            tails: None,
-        }
     }
 }
 
@@ -338,7 +313,6 @@ impl Buckets {
         let mut staging = Staging {
             staged: HashMap::new(),
             sig,
-            tails: None,
         };
         // Duck sizing, as Dynamo's symbolic shapes: a size that is dynamic in one tensor is
         // padded wherever it appears in the call (a contraction's other operand, a broadcast
@@ -477,40 +451,76 @@ pub(crate) fn stage(
     )?))
 }
 
-/// Where a bucketed program's result goes: its element count, and the target's layout
-/// when that is not row-major (an out= tensor in a permuted layout).
-pub(crate) type Packed = (i64, Option<View>);
+/// A bucketed program's result as its storage holds it: the padded shape the program
+/// computed it in (`padded`, a flat buffer of that many elements) and the tensor's real
+/// sizes (`real`), each real element at its row-major index in the padded shape. The next
+/// bucketed program reads it there; other readers get it compacted (`unpad`).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct Padded {
+    pub padded: Vec<i64>,
+    pub real: Vec<i64>,
+}
 
-/// The storage of a bucketed program's result: its first `elems` elements (row-major in
-/// the logical shape), laid out as `layout` says, as one flat buffer. Fails if XLA did not
-/// keep the size dynamic (the result would be padded).
-pub(crate) fn compact(
-    rt: &Runtime,
-    buf: &Arc<pjrt::Buffer>,
-    dtype: DType,
-    packed: &Packed,
-) -> Result<Arc<pjrt::Buffer>> {
-    let (elems, layout) = (packed.0, packed.1.as_ref());
-    let real = buf
-        .unpadded_dims()
-        .map_err(|e| Error::runtime(format!("device computation failed: {}", e.message)))?;
-    let dims = buf.dims();
-    // A dynamic result must hold exactly the expected elements (a static packed one is
-    // checked by the tests of the ops that make it).
-    if real != dims && real.iter().product::<i64>() != elems {
-        return Err(Error::runtime(format!(
-            "a program serving several sizes returned {real:?} where {elems} elements were expected (torch_pjrt.set_shape_buckets(False) compiles every shape)"
-        )));
+impl Padded {
+    /// An exact buffer of `n` elements.
+    pub fn exact(n: i64) -> Padded {
+        Padded {
+            padded: vec![n],
+            real: vec![n],
+        }
     }
-    if dims.len() == 1 && dims[0] == elems && layout.is_none() {
-        return Ok(buf.clone());
+
+    pub fn is_exact(&self) -> bool {
+        self.padded.iter().product::<i64>() == self.real.iter().product::<i64>()
     }
+
+    /// The real elements as a view of the padded buffer.
+    pub fn view(&self) -> View {
+        View {
+            sizes: self.real.clone(),
+            strides: lowering::shape::contiguous_strides(&self.padded),
+            offset: 0,
+        }
+    }
+}
+
+/// Where a bucketed program's result goes: its layout, and the target's when that is not
+/// row-major (an out= tensor in a permuted layout: laid out on the host).
+#[derive(Clone, Debug)]
+pub(crate) struct ResultLayout {
+    pub layout: Padded,
+    pub target: Option<View>,
+}
+
+/// The real elements of a padded buffer, row-major, on the host.
+fn unpad(rt: &Runtime, buf: &pjrt::Buffer, dtype: DType, p: &Padded) -> Result<Vec<u8>> {
     let mut bytes = rt.download(buf)?;
     rt.metrics
         .bucket_host_bytes
         .fetch_add(bytes.len() as u64, Relaxed);
-    bytes.truncate(elems as usize * dtype.size());
-    if let Some(v) = layout {
+    if p.is_exact() {
+        bytes.truncate(p.real.iter().product::<i64>() as usize * dtype.size());
+        return Ok(bytes);
+    }
+    // SAFETY: the padded view's elements lie inside the buffer (each real size is at most
+    // its padded one).
+    Ok(unsafe { crate::host::read(bytes.as_ptr(), &p.view(), dtype.size()) })
+}
+
+/// The storage of a bucketed program's result as one exact flat buffer, laid out as the
+/// target says.
+pub(crate) fn compact(
+    rt: &Runtime,
+    buf: &Arc<pjrt::Buffer>,
+    dtype: DType,
+    res: &ResultLayout,
+) -> Result<Arc<pjrt::Buffer>> {
+    let elems: i64 = res.layout.real.iter().product();
+    if res.layout.is_exact() && res.target.is_none() {
+        return Ok(buf.clone());
+    }
+    let mut bytes = unpad(rt, buf, dtype, &res.layout)?;
+    if let Some(v) = &res.target {
         let mut out = vec![0u8; bytes.len()];
         // SAFETY: `v` is dense over exactly `elems` elements (checked by `eligible`).
         unsafe { crate::host::write(out.as_mut_ptr(), v, dtype.size(), &bytes) };
@@ -605,24 +615,205 @@ pub(crate) fn pad_size_args(params: &[Param], st: &Staging) -> Option<Vec<Param>
     Some(out)
 }
 
-/// A staged tensor's storage as a buffer of `dims` for the program to read its view from:
-/// the packed one a bucketed program left there, its exact buffer when that has these
-/// dims, or (when something replaced or compacted it since the op was queued) its
-/// elements copied into a buffer of that shape.
-pub(crate) fn packed_input(
+/// A staged tensor's storage as the flat buffer of `layout` for the program to read its
+/// view from: the padded one a bucketed program left there, its exact buffer when the
+/// layout is exact, or (when something replaced or compacted it since the op was queued)
+/// its elements copied into a buffer of that layout.
+pub(crate) fn padded_input(
     rt: &Runtime,
     s: &crate::storage::Storage,
     dtype: DType,
-    dims: &[i64],
+    layout: &Padded,
 ) -> Result<Arc<pjrt::Buffer>> {
-    if let Some(b) = s.packed_now(dtype, dims) {
+    if let Some(b) = s.padded_now(dtype, layout) {
         return Ok(b);
     }
     let exact = s.buffer_now(rt, dtype)?;
-    if exact.dims() == dims {
+    if layout.is_exact() {
         return Ok(exact);
     }
-    let mut bytes = rt.download(&exact)?;
-    bytes.resize(dims.iter().product::<i64>() as usize * dtype.size(), 0);
-    Ok(Arc::new(rt.upload(&bytes, dtype, dims, s.device)?))
+    let bytes = rt.download(&exact)?;
+    rt.metrics
+        .bucket_host_bytes
+        .fetch_add(bytes.len() as u64, Relaxed);
+    let n: i64 = layout.padded.iter().product();
+    let mut out = vec![0u8; n as usize * dtype.size()];
+    // SAFETY: the padded view indexes inside `out`.
+    unsafe { crate::host::write(out.as_mut_ptr(), &layout.view(), dtype.size(), &bytes) };
+    Ok(Arc::new(rt.upload(&out, dtype, &[n], s.device)?))
+}
+
+/// The exact elements of a storage whose buffer is padded (`Storage::unpack`).
+pub(crate) fn unpadded(
+    rt: &Runtime,
+    buf: &pjrt::Buffer,
+    dtype: DType,
+    layout: &Padded,
+) -> Result<Arc<pjrt::Buffer>> {
+    let bytes = unpad(rt, buf, dtype, layout)?;
+    let n = layout.real.iter().product::<i64>();
+    Ok(Arc::new(rt.upload(&bytes, dtype, &[n], buf.device())?))
+}
+
+/// A view of a storage whose buffer is padded, in the buffer's terms: the offset and the
+/// stride of each view dim in the padded layout, and the view dims that run over several
+/// of the storage's dims (a `[B*T, C]` view of `[B, T, C]` with `T` padded: no one stride
+/// reaches its elements), each with those storage dims, outer first; their stride in
+/// `view` is `MERGED`.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct ReadView {
+    pub view: View,
+    pub merged: Vec<(usize, Vec<usize>)>,
+}
+
+/// The stride of a merged view dim (see `ReadView`): negative, so no row is read across it.
+pub(crate) const MERGED: i64 = i64::MIN;
+
+/// `v`, a view of a storage holding `p`, in the padded buffer's terms (see `ReadView`);
+/// None when a view dim is no run of the storage's dims (an `as_strided` across them).
+pub(crate) fn read_in(v: &View, p: &Padded) -> Option<ReadView> {
+    if p.is_exact() {
+        return Some(ReadView {
+            view: v.clone(),
+            merged: Vec::new(),
+        });
+    }
+    let (real, padded) = (&p.real, lowering::shape::contiguous_strides(&p.padded));
+    let strides = lowering::shape::contiguous_strides(real);
+    let total: i64 = real.iter().product();
+    if v.offset < 0 || v.offset >= total.max(1) {
+        return None;
+    }
+    // The offset's digit in each storage dim.
+    let digit: Vec<i64> = (0..real.len())
+        .map(|j| v.offset / strides[j] % real[j])
+        .collect();
+    let mut out = View {
+        sizes: v.sizes.clone(),
+        strides: vec![0; v.sizes.len()],
+        offset: (0..real.len()).map(|j| digit[j] * padded[j]).sum(),
+    };
+    let mut merged = Vec::new();
+    // How far the view reaches in each storage dim, from the offset's digit; the storage
+    // dims a merged view dim runs over whole (no other view dim may step through them).
+    let mut reach = digit.clone();
+    let mut whole = vec![false; real.len()];
+    let mut stepped = vec![false; real.len()];
+    for (k, (&n, &s)) in v.sizes.iter().zip(&v.strides).enumerate() {
+        if n == 1 || s == 0 {
+            continue;
+        }
+        // The storage dim it steps through (`q` of its elements at a time: a split of
+        // that dim, such as [B, T] over a [B*T] dim, steps by T).
+        let m = (0..real.len())
+            .find(|&j| real[j] > 1 && s % strides[j] == 0 && s / strides[j] < real[j])?;
+        let q = s / strides[m];
+        if q > 1 || digit[m] + n <= real[m] {
+            out.strides[k] = q * padded[m];
+            reach[m] += (n - 1) * q;
+            stepped[m] = true;
+            continue;
+        }
+        // A run of storage dims, inner ones whole from digit 0, the outermost partly.
+        let mut dims = vec![m];
+        let mut left = n;
+        let mut j = m;
+        loop {
+            if digit[j] != 0 || left % real[j] != 0 || whole[j] {
+                return None;
+            }
+            whole[j] = true;
+            left /= real[j];
+            j = (0..j).rev().find(|&i| real[i] > 1)?;
+            dims.push(j);
+            if left <= real[j] {
+                break;
+            }
+        }
+        reach[j] += left - 1;
+        stepped[j] = true;
+        dims.reverse();
+        out.strides[k] = MERGED;
+        merged.push((k, dims));
+    }
+    // No view dim runs past its storage dim (into the next one's digit), and none steps
+    // through a dim a merged one runs over whole.
+    for j in 0..real.len() {
+        if reach[j] >= real[j].max(1) || whole[j] && stepped[j] {
+            return None;
+        }
+    }
+    Some(ReadView { view: out, merged })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn view(sizes: &[i64], strides: &[i64], offset: i64) -> View {
+        View {
+            sizes: sizes.to_vec(),
+            strides: strides.to_vec(),
+            offset,
+        }
+    }
+
+    #[test]
+    fn views_of_a_padded_storage_in_its_buffer() {
+        // [2, 5, 3] held in [2, 8, 3].
+        let p = Padded {
+            padded: vec![2, 8, 3],
+            real: vec![2, 5, 3],
+        };
+        // The tensor itself, a transpose, a narrow along the padded dim.
+        let r = read_in(&view(&[2, 5, 3], &[15, 3, 1], 0), &p).unwrap();
+        assert_eq!((r.view.strides, r.view.offset), (vec![24, 3, 1], 0));
+        let r = read_in(&view(&[5, 2, 3], &[3, 15, 1], 0), &p).unwrap();
+        assert_eq!(r.view.strides, vec![3, 24, 1]);
+        let r = read_in(&view(&[2, 3, 3], &[15, 3, 1], 6), &p).unwrap();
+        assert_eq!((r.view.strides, r.view.offset), (vec![24, 3, 1], 6));
+        let r = read_in(&view(&[2, 5, 3], &[15, 3, 1], 15), &p);
+        assert!(r.is_none(), "past the end of dim 0: {r:?}");
+        // [B*T, C]: one dim over the storage's first two.
+        let r = read_in(&view(&[10, 3], &[3, 1], 0), &p).unwrap();
+        assert_eq!(r.merged, vec![(0, vec![0, 1])]);
+        assert_eq!(r.view.strides, vec![MERGED, 1]);
+        // [B*T, C] held in [16, 3] (real [10, 3]) read as [B, T, C] = [2, 5, 3].
+        let flat = Padded {
+            padded: vec![16, 3],
+            real: vec![10, 3],
+        };
+        let r = read_in(&view(&[2, 5, 3], &[15, 3, 1], 0), &flat).unwrap();
+        assert_eq!((r.view.strides, r.merged.len()), (vec![15, 3, 1], 0));
+        // [B*H, T, T] = [8, 5, 5] in [8, 8, 8] read as [B, H, T, T] = [2, 4, 5, 5].
+        let heads = Padded {
+            padded: vec![8, 8, 8],
+            real: vec![8, 5, 5],
+        };
+        let r = read_in(&view(&[2, 4, 5, 5], &[100, 25, 5, 1], 0), &heads).unwrap();
+        assert_eq!(r.view.strides, vec![256, 64, 8, 1]);
+        // A transposed key [B*H, D, T] = [8, 3, 5] (T padded to 8) read as [B, T, H*D] =
+        // [2, 5, 12]: H*D runs over D whole and steps through B*H with the batch dim.
+        let key = Padded {
+            padded: vec![8, 3, 8],
+            real: vec![8, 3, 5],
+        };
+        let r = read_in(&view(&[2, 5, 12], &[60, 1, 5], 0), &key).unwrap();
+        assert_eq!(r.merged, vec![(2, vec![0, 1])]);
+        assert_eq!(r.view.strides, vec![96, 1, MERGED]);
+        // Past the batch dim's end: none.
+        assert!(read_in(&view(&[2, 5, 16], &[60, 1, 5], 0), &key).is_none());
+        // The second batch row only: [T, C] at offset 15 is a single dim.
+        let r = read_in(&view(&[5, 3], &[3, 1], 15), &p).unwrap();
+        assert_eq!((r.view.strides, r.view.offset), (vec![3, 1], 24));
+        // A flat view of all of it: three dims merged.
+        let r = read_in(&view(&[30], &[1], 0), &p).unwrap();
+        assert_eq!(r.merged, vec![(0, vec![0, 1, 2])]);
+        // Rows of 6 that straddle two of T's rows but not a whole one: none.
+        assert!(read_in(&view(&[5, 6], &[6, 1], 0), &p).is_none());
+        // An exact layout keeps the view.
+        let e = Padded::exact(30);
+        let v = view(&[10, 3], &[3, 1], 0);
+        assert_eq!(read_in(&v, &e).unwrap().view, v);
+    }
 }

@@ -77,7 +77,7 @@ pub fn copy_nonblocking(
                     outputs: vec![(target, ddt)],
                     new_outputs: 0,
                     deps: Vec::new(),
-                    packed: Vec::new(),
+                    padded: Vec::new(),
                 }
             })?;
             return Ok(());

@@ -621,7 +621,8 @@ impl Runtime {
                     Input::Rng { .. } => src.rng_param(b, frag.rng_consumed)?,
                     Input::Staged { .. }
                     | Input::Size { .. }
-                    | Input::Packed { .. }
+                    | Input::Padded { .. }
+                    | Input::StorageSize { .. }
                     | Input::ViewInt { .. }
                     | Input::ResultSize { .. } => {
                         unreachable!("fragments are planned at exact shapes")

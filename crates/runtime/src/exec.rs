@@ -12,6 +12,7 @@ use lowering::shape::shape_str;
 use lowering::{Arg, Args, Ctx, LowerError, Out, TensorArg};
 use stablehlo::{Builder, DType, TensorType, Value};
 
+use crate::buckets::{Padded, ReadView};
 use crate::layout::{self, View};
 use crate::storage::Storage;
 use crate::worker::{Job, JobIn};
@@ -127,16 +128,24 @@ pub(crate) enum Input {
         path: Path,
         dim: usize,
     },
-    /// A staged tensor's storage as the packed buffer (of `dims`) a bucketed program wrote.
-    Packed {
+    /// A staged tensor's storage as the flat buffer a bucketed program left there (padded
+    /// to `padded`), or its exact buffer (`padded` its element count).
+    Padded {
         path: Path,
         dtype: DType,
-        dims: Vec<i64>,
+        padded: Vec<i64>,
     },
-    /// A staged tensor's view offset (`dim` None) or the stride of `dim`, as i64.
+    /// A staged tensor's view offset (`dim` None) or the stride of `dim`, as i64, in its
+    /// storage's buffer (`buckets::read_in`).
     ViewInt {
         path: Path,
         dim: Option<usize>,
+    },
+    /// The real size of dim `dim` of the tensor a staged tensor's storage holds padded, as
+    /// i64 (a view dim merged over that dim is read with it).
+    StorageSize {
+        path: Path,
+        dim: usize,
     },
     /// The real size of dim `dim` of the program's result `result`, as i64.
     ResultSize {
@@ -148,8 +157,7 @@ pub(crate) enum Input {
 /// How many trailing dims of a staged view a bucketed program reads as whole rows: dims
 /// that are not padded (`dims`: each dim's bucket) and lie adjacent in memory, innermost
 /// at stride 1 (size-1 dims address nothing). Part of the program's key.
-fn read_block(t: &TensorRef, dims: &[Option<i64>]) -> usize {
-    let v = &t.view;
+fn read_block(v: &View, dims: &[Option<i64>]) -> usize {
     let mut expect = 1;
     let mut n = 0;
     for d in (0..v.sizes.len()).rev() {
@@ -169,9 +177,8 @@ fn read_block(t: &TensorRef, dims: &[Option<i64>]) -> usize {
 /// every real row's start plus the width stays inside the buffer (a packed buffer: always,
 /// see ARCHITECTURE.md), else XLA's gather would clamp the start and shift real elements.
 /// Part of the program's key.
-fn read_rows(t: &TensorRef, dims: &[Option<i64>], cap: i64) -> usize {
-    let n = read_block(t, dims);
-    let v = &t.view;
+fn read_rows(v: &View, dims: &[Option<i64>], cap: i64) -> usize {
+    let n = read_block(v, dims);
     let Some(last) = v.sizes.len().checked_sub(1) else {
         return n;
     };
@@ -202,20 +209,32 @@ fn index_type(n: i64) -> DType {
     }
 }
 
-/// The dims of the buffer a staged tensor's storage holds (or will) when the program can
-/// read its view from it directly: a bucketed program's packed buffer, or, for a tensor
-/// whose sizes do not change (`dynamic` false), its exact flat buffer (the same size at
-/// every call). None: staged on the host.
-fn packed_source(t: &TensorRef, dynamic: bool) -> Option<Vec<i64>> {
+/// Where a bucketed program reads a staged view on the device: the buffer its storage holds
+/// (or will), as a bucketed program left it (padded) or, for a tensor whose sizes do not
+/// change (`dynamic` false), exact (the same size at every call), and the view in that
+/// buffer's terms. None: staged on the host (a view no stride reaches in the padded buffer).
+fn device_source(t: &TensorRef, dynamic: bool) -> Option<(Padded, ReadView)> {
     let s = t.storage()?;
-    match s.packed_dims() {
-        Some((dt, dims)) => (Some(dt) == t.dtype).then_some(dims),
+    let layout = match s.padded_layout() {
+        Some((dt, p)) => (Some(dt) == t.dtype).then_some(p)?,
         None if !dynamic => {
             let size = t.dtype?.size() as i64;
-            (t.nbytes % size == 0).then(|| vec![t.nbytes / size])
+            (t.nbytes % size == 0).then(|| Padded::exact(t.nbytes / size))?
         }
-        None => None,
-    }
+        None => return None,
+    };
+    let read = crate::buckets::read_in(&t.view, &layout)?;
+    Some((layout, read))
+}
+
+/// Whether a staged view, padded to `padded`, is its padded buffer itself (read without a
+/// gather).
+fn reads_whole(layout: &Padded, read: &ReadView, padded: &[i64]) -> bool {
+    let strides = lowering::shape::contiguous_strides(&layout.padded);
+    read.merged.is_empty()
+        && read.view.offset == 0
+        && layout.padded == padded
+        && (0..padded.len()).all(|d| padded[d] == 1 || read.view.strides[d] == strides[d])
 }
 
 #[derive(Clone)]
@@ -263,7 +282,7 @@ pub struct Program {
     rng_consumed: u64,
     /// Serves a range of sizes: staged inputs, results packed in padded buffers.
     pub(crate) bucketed: bool,
-    /// The shape of each result (a bucketed program's are padded).
+    /// The shape of each result before it is flattened (a bucketed program's are padded).
     result_dims: Vec<Vec<i64>>,
 }
 
@@ -440,12 +459,24 @@ pub(crate) fn key_with(
                                     }
                                 }
                             }
-                            // Read in the program from a packed buffer, or staged on the host.
+                            // Read in the program from a device buffer, or staged on the host.
                             let dynamic = dims.iter().any(|d| d.is_some());
-                            match packed_source(t, dynamic) {
-                                Some(pd) => {
-                                    ints(k, &pd);
-                                    num(k, read_rows(t, dims, pd.iter().product()) as i64);
+                            match device_source(t, dynamic) {
+                                Some((layout, read)) => {
+                                    ints(k, &layout.padded);
+                                    let padded = st.padded(path, t).unwrap_or_default();
+                                    if reads_whole(&layout, &read, &padded) {
+                                        k.push(b'w');
+                                    } else {
+                                        let cap = layout.padded.iter().product();
+                                        num(k, read_rows(&read.view, dims, cap) as i64);
+                                        for (d, over) in &read.merged {
+                                            num(k, *d as i64);
+                                            let over: Vec<i64> =
+                                                over.iter().map(|j| *j as i64).collect();
+                                            ints(k, &over);
+                                        }
+                                    }
                                 }
                                 None => k.push(b'h'),
                             }
@@ -1271,37 +1302,78 @@ impl Sources for ProgramInputs<'_> {
         let dtype = t.dtype?;
         let ty = TensorType::new(dtype, &padded);
         let dynamic = dims.iter().any(|d| d.is_some());
-        let mut v = match packed_source(t, dynamic) {
-            Some(pd) => {
-                // The view read on the device: element `i` of the padded view is
-                // flat[offset + sum(i_k * stride_k)], offset and strides given at run time.
-                self.inputs.push(Input::Packed {
+        let mut v = match device_source(t, dynamic) {
+            Some((layout, read)) if reads_whole(&layout, &read, &padded) => {
+                self.inputs.push(Input::Padded {
                     path,
                     dtype,
-                    dims: pd.clone(),
+                    padded: layout.padded.clone(),
                 });
-                let cap: i64 = pd.iter().product();
-                let buf = b.param(TensorType::new(dtype, &pd));
-                let flat = b.reshape(buf, &[cap]);
+                let cap: i64 = layout.padded.iter().product();
+                let buf = b.param(TensorType::new(dtype, &[cap]));
+                b.reshape(buf, &padded)
+            }
+            Some((layout, read)) => {
+                // The view read on the device: element `i` of the padded view is
+                // flat[offset + sum(i_k * stride_k)], offset and strides (in the buffer's
+                // layout) given at run time.
+                self.inputs.push(Input::Padded {
+                    path,
+                    dtype,
+                    padded: layout.padded.clone(),
+                });
+                let cap: i64 = layout.padded.iter().product();
+                let flat = b.param(TensorType::new(dtype, &[cap]));
                 // Rows of the trailing static dims adjacent in memory are read whole
                 // (`read_rows`): one index per row instead of one per element.
-                let k = padded.len() - read_rows(t, dims, cap);
+                let k = padded.len() - read_rows(&read.view, dims, cap);
                 let (lead, block) = padded.split_at(k);
                 let it = index_type(cap);
                 self.inputs.push(Input::ViewInt { path, dim: None });
                 let off = b.param(TensorType::scalar(DType::I64));
                 let off = b.convert(off, it);
                 let mut idx = b.broadcast_in_dim(off, lead, &[]);
+                let strides = lowering::shape::contiguous_strides(&layout.padded);
                 for (d, n) in lead.iter().enumerate() {
-                    if *n > 1 {
-                        self.inputs.push(Input::ViewInt { path, dim: Some(d) });
-                        let s = b.param(TensorType::scalar(DType::I64));
-                        let s = b.convert(s, it);
-                        let s = b.broadcast_in_dim(s, lead, &[]);
-                        let io = b.iota(it, lead, d);
-                        let term = b.mul(io, s);
-                        idx = b.add(idx, term);
+                    if *n == 1 {
+                        continue;
                     }
+                    let io = b.iota(it, lead, d);
+                    let term = match read.merged.iter().find(|m| m.0 == d) {
+                        // A dim over several storage dims: the digit of each, from the
+                        // real sizes of the ones inside it.
+                        Some((_, over)) => {
+                            let mut term: Option<Value> = None;
+                            let mut inner = b.constant_i64(it, 1);
+                            for (i, j) in over.iter().enumerate().rev() {
+                                let ib = b.broadcast_in_dim(inner, lead, &[]);
+                                let mut digit = b.div(io, ib);
+                                self.inputs.push(Input::StorageSize { path, dim: *j });
+                                let size = b.param(TensorType::scalar(DType::I64));
+                                let size = b.convert(size, it);
+                                if i > 0 {
+                                    let sb = b.broadcast_in_dim(size, lead, &[]);
+                                    digit = b.rem(digit, sb);
+                                }
+                                let stride = b.full(it, lead, strides[*j] as f64);
+                                let t = b.mul(digit, stride);
+                                term = Some(match term {
+                                    Some(x) => b.add(x, t),
+                                    None => t,
+                                });
+                                inner = b.mul(inner, size);
+                            }
+                            term.expect("a merged dim covers storage dims")
+                        }
+                        None => {
+                            self.inputs.push(Input::ViewInt { path, dim: Some(d) });
+                            let s = b.param(TensorType::scalar(DType::I64));
+                            let s = b.convert(s, it);
+                            let s = b.broadcast_in_dim(s, lead, &[]);
+                            b.mul(io, s)
+                        }
+                    };
+                    idx = b.add(idx, term);
                 }
                 // Padding rows may point past the buffer: XLA's gather clamps a start index
                 // so that the row fits, any element will do there. A real row lies inside.
@@ -1364,12 +1436,20 @@ impl Sources for ProgramInputs<'_> {
 }
 
 impl ProgramInputs<'_> {
-    /// Parameters for the real sizes of result `result` (of `rank` dims).
-    fn result_sizes(&mut self, b: &mut Builder, result: usize, rank: usize) -> Vec<Value> {
-        (0..rank)
+    /// Parameters for the real sizes of the dims of result `result` (of padded shape
+    /// `shape`) that may be padded (size 1 never is), as `i32`.
+    fn result_sizes(
+        &mut self,
+        b: &mut Builder,
+        result: usize,
+        shape: &[i64],
+    ) -> Vec<(usize, Value)> {
+        (0..shape.len())
+            .filter(|d| shape[*d] > 1)
             .map(|dim| {
                 self.inputs.push(Input::ResultSize { result, dim });
-                b.param(TensorType::scalar(DType::I64))
+                let n = b.param(TensorType::scalar(DType::I64));
+                (dim, b.convert(n, DType::I32))
             })
             .collect()
     }
@@ -1380,7 +1460,7 @@ impl ProgramInputs<'_> {
 pub(crate) struct Planned {
     pub b: Builder,
     pub results: Vec<Value>,
-    /// The shape of each result (a bucketed program's are padded).
+    /// The shape of each result before it is flattened (a bucketed program's are padded).
     pub result_dims: Vec<Vec<i64>>,
     pub inputs: Vec<Input>,
     pub outputs: Vec<Output>,
@@ -1394,130 +1474,13 @@ pub(crate) enum Plan {
     Resize(Vec<(usize, Vec<i64>)>),
 }
 
-/// A bucketed program's result as a static flat array, its real elements packed at the
-/// front in row-major order of its real shape. Its last `tail` dims keep their size whatever
-/// the real sizes (`static_tails`): each row (those dims' block) is scattered whole to its
-/// row-major index in the real shape of the leading dims (whose sizes, `real`, i64 scalars,
-/// the call passes), padding rows to one past the end, which the scatter drops. The result
-/// is static: a dynamic result's buffer would carry XLA's size metadata, which a parameter
-/// of the next program cannot take, and flattening the dynamic array instead makes XLA sort
-/// it (reshape, bitcast and optimization barriers do not hide the size from XLA's padder,
-/// and its scatter takes no dynamic window). On XLA:CPU, packing an [8, 256, 384] result
-/// takes 0.18 ms by rows of 384, 1.26 ms element by element, 6.3 ms with the gather and
-/// per-dim division it replaced (the op itself: 0.15 ms).
-fn packed_result(b: &mut Builder, v: Value, real: &[Value], tail: usize) -> Value {
-    let shape = b.shape(v);
-    let n: i64 = shape.iter().product();
-    let k = shape.len().saturating_sub(tail);
-    if k == 0 {
-        // Nothing padded: the padded shape is the real one.
-        return b.reshape(v, &[n]);
-    }
-    let (lead, block) = shape.split_at(k);
-    let rows: i64 = lead.iter().product();
-    // Padding rows go past the end, each to its own index (`2 * rows` fits the type).
-    let it = index_type(2 * rows);
-    let mut dest: Option<Value> = None;
-    let mut inside: Option<Value> = None;
-    let mut stride = b.constant_i64(it, 1);
-    for d in (0..k).rev() {
-        let size = b.convert(real[d], it);
-        if lead[d] > 1 {
-            let i = b.iota(it, lead, d);
-            let sb = b.broadcast_in_dim(stride, lead, &[]);
-            let term = b.mul(i, sb);
-            dest = Some(match dest {
-                Some(x) => b.add(x, term),
-                None => term,
-            });
-            let nb = b.broadcast_in_dim(size, lead, &[]);
-            let ok = b.compare(i, nb, stablehlo::CmpDir::Lt);
-            inside = Some(match inside {
-                Some(x) => b.and(x, ok),
-                None => ok,
-            });
-        }
-        stride = b.mul(stride, size);
-    }
-    let idx = match (dest, inside) {
-        (Some(dest), Some(inside)) => {
-            // The scatter says its indices are unique: padding rows must not share one.
-            let flat = b.iota(it, &[rows], 0);
-            let flat = b.reshape(flat, lead);
-            let end = b.full(it, lead, rows as f64);
-            let past = b.add(flat, end);
-            b.select(inside, dest, past)
-        }
-        _ => b.full(it, lead, 0.0),
-    };
-    let mut idx_shape = lead.to_vec();
-    idx_shape.push(1);
-    let idx = b.reshape(idx, &idx_shape);
-    let dtype = b.dtype(v);
-    let mut out_shape = vec![rows];
-    out_shape.extend_from_slice(block);
-    let init = b.full(dtype, &out_shape, 0.0);
-    let window: Vec<i64> = (k..shape.len()).map(|d| d as i64).collect();
-    let dims = stablehlo::ScatterDims {
-        update_window_dims: &window,
-        inserted_window_dims: &[0],
-        scatter_dims_to_operand_dims: &[0],
-        index_vector_dim: k as i64,
-        unique: true,
-    };
-    let out = b.scatter_with(init, idx, v, &dims, |_, _, u| u);
-    b.reshape(out, &[n])
-}
-
-/// How many trailing dims of each result of a bucketed program keep their size whatever
-/// the real sizes: those equal when the op is lowered again with buckets twice as large
-/// (`params`: the call's own, before `pad_size_args`). None when that lowering fails.
-pub(crate) fn static_tails(
-    op: &str,
-    overload: &str,
-    device: usize,
-    params: &[Param],
-    var: Variant,
-    st: &crate::buckets::Staging,
-) -> Option<Vec<usize>> {
-    let shapes = |st: &crate::buckets::Staging| -> Option<Vec<Vec<i64>>> {
-        let padded = crate::buckets::pad_size_args(params, st);
-        let params = padded.as_deref().unwrap_or(params);
-        let mut b = Builder::new();
-        b.set_padded(true);
-        let mut src = ProgramInputs {
-            inputs: Vec::new(),
-            rng_consumed: 0,
-            staging: Some(st),
-            sizes: Vec::new(),
-        };
-        match lower_into(&mut b, &mut src, op, overload, device, params, var).ok()? {
-            LowerOutcome::Done(l) => Some(
-                l.new
-                    .iter()
-                    .chain(l.writes.iter().map(|w| &w.2))
-                    .map(|v| b.shape(*v))
-                    .collect(),
-            ),
-            _ => None,
-        }
-    };
-    let (a, b) = (shapes(st)?, shapes(&st.doubled())?);
-    if a.len() != b.len() {
-        return None;
-    }
-    a.iter()
-        .zip(&b)
-        .map(|(x, y)| {
-            (x.len() == y.len()).then(|| {
-                x.iter()
-                    .rev()
-                    .zip(y.iter().rev())
-                    .take_while(|(p, q)| p == q)
-                    .count()
-            })
-        })
-        .collect()
+/// A bucketed program's result as a static flat array of its padded shape (`real`: the real
+/// size of each dim that may be padded): it leaves as a plain buffer that the next bucketed
+/// program reads in place (see `buckets::Padded`).
+fn padded_result(b: &mut Builder, v: Value, real: &[(usize, Value)]) -> Value {
+    let n = b.ty(v).numel();
+    let v = b.forget_dynamic_sizes(v, real);
+    b.reshape(v, &[n])
 }
 
 pub(crate) fn plan(
@@ -1530,8 +1493,8 @@ pub(crate) fn plan(
     plan_with(op, overload, device, params, var, None)
 }
 
-/// `plan`, bucketed when `staging` is given: staged inputs, results packed in static flat
-/// arrays (`packed_result`), targets replaced whole.
+/// `plan`, bucketed when `staging` is given: staged inputs, results in static flat arrays
+/// of their padded shapes (`padded_result`), targets replaced whole.
 pub(crate) fn plan_with(
     op: &str,
     overload: &str,
@@ -1555,12 +1518,13 @@ pub(crate) fn plan_with(
     };
     let mut results = Vec::new();
     let mut outputs = Vec::new();
+    let mut dims: Vec<Vec<i64>> = low.new.iter().map(|v| b.shape(*v)).collect();
+    dims.extend(low.writes.iter().map(|w| b.shape(w.2)));
     for v in &low.new {
         let ty = b.ty(*v).clone();
-        results.push(if let Some(st) = staging {
-            let tail = st.tail(results.len(), ty.shape.len());
-            let real = src.result_sizes(&mut b, results.len(), ty.shape.len() - tail);
-            packed_result(&mut b, *v, &real, tail)
+        results.push(if staging.is_some() {
+            let real = src.result_sizes(&mut b, results.len(), &ty.shape);
+            padded_result(&mut b, *v, &real)
         } else {
             b.reshape(*v, &[ty.numel()])
         });
@@ -1570,11 +1534,10 @@ pub(crate) fn plan_with(
         });
     }
     for (path, dtype, v) in &low.writes {
-        results.push(if let Some(st) = staging {
-            let rank = b.shape(*v).len();
-            let tail = st.tail(results.len(), rank);
-            let real = src.result_sizes(&mut b, results.len(), rank - tail);
-            packed_result(&mut b, *v, &real, tail)
+        results.push(if staging.is_some() {
+            let shape = b.shape(*v);
+            let real = src.result_sizes(&mut b, results.len(), &shape);
+            padded_result(&mut b, *v, &real)
         } else {
             *v
         });
@@ -1584,6 +1547,7 @@ pub(crate) fn plan_with(
         });
     }
     for c in low.checks {
+        dims.push(b.shape(c.bad));
         results.push(c.bad);
         outputs.push(Output::Check {
             kind: c.kind,
@@ -1591,7 +1555,7 @@ pub(crate) fn plan_with(
         });
     }
     Ok(Plan::Done(Box::new(Planned {
-        result_dims: results.iter().map(|v| b.shape(*v)).collect(),
+        result_dims: dims,
         b,
         results,
         inputs: src.inputs,
@@ -1695,7 +1659,7 @@ fn bucketed(
     exact_key: &[u8],
     observed: Option<crate::buckets::Staging>,
 ) -> Result<Option<Served>> {
-    let Some(mut st) = observed.or_else(|| rt.buckets.observe(op, overload, device, params, var))
+    let Some(st) = observed.or_else(|| rt.buckets.observe(op, overload, device, params, var))
     else {
         return Ok(None);
     };
@@ -1722,7 +1686,6 @@ fn bucketed(
         exact_in_background(op, overload, device, params, var, exact_key)?;
     }
     let fresh = calls == 1;
-    let orig = params;
     let padded_params = crate::buckets::pad_size_args(params, &st);
     let params = padded_params.as_deref().unwrap_or(params);
     let bk = key_with(op, overload, device, params, KeyMode::Bucket(&st));
@@ -1730,7 +1693,6 @@ fn bucketed(
         rt.metrics.bucket_hit(op, fresh);
         return Ok(Some((p, real, bk)));
     }
-    st.tails = static_tails(op, overload, device, orig, var, &st);
     match build(rt, op, overload, device, params, var, Some(&st), false) {
         Ok(Built::Program(p)) => {
             rt.cache.insert(bk.clone(), p.clone());
@@ -1784,14 +1746,12 @@ fn exact_in_background(
     Ok(())
 }
 
-/// Result `i` of a queued bucketed program stays packed in its buffer (of these dims) for
+/// Result `i` of a queued bucketed program stays padded in its buffer (of this layout) for
 /// the next bucketed op to read on the device; a permuted out= target is laid out on the
-/// host instead.
-fn keep_packed(prog: &Program, packed: &[crate::buckets::Packed], i: usize) -> Option<Vec<i64>> {
-    let p = packed.get(i)?;
-    let dims = &prog.result_dims[i];
-    // Without padding the result is an exact buffer: nothing to mark.
-    (p.1.is_none() && dims.iter().product::<i64>() != p.0).then(|| dims.clone())
+/// host instead, and a result without padding is an exact buffer.
+fn keep_padded(layouts: &[crate::buckets::ResultLayout], i: usize) -> Option<Padded> {
+    let r = layouts.get(i)?;
+    (r.target.is_none() && !r.layout.is_exact()).then(|| r.layout.clone())
 }
 
 /// The real size of dim `dim` of a bucketed program's result `result`: a new tensor's from
@@ -1815,30 +1775,49 @@ fn result_size(
     }
 }
 
-/// A view's offset (`dim` None) or the stride of `dim`.
-fn view_int(v: &View, dim: Option<usize>) -> i64 {
+/// The layout of a staged tensor's storage buffer when the op is queued.
+fn storage_layout(t: &TensorRef) -> Padded {
+    let s = t.storage().expect("device tensor");
+    match s.padded_layout() {
+        Some((_, p)) => p,
+        None => Padded::exact(t.nbytes / t.dtype.map_or(1, |d| d.size() as i64)),
+    }
+}
+
+/// A staged view's offset (`dim` None) or the stride of `dim`, in its storage's buffer.
+fn view_int(t: &TensorRef, dim: Option<usize>) -> i64 {
+    let read = crate::buckets::read_in(&t.view, &storage_layout(t));
+    let v = read.map_or_else(|| t.view.clone(), |r| r.view);
     dim.map_or(v.offset, |d| v.strides[d])
 }
 
-/// Elements of each result of a bucketed program (new tensors, then targets) once packed.
-fn packed_sizes(
+/// The layout of each result of a bucketed program (new tensors, then targets).
+fn result_layouts(
     prog: &Program,
     params: &[Param],
     real: Option<&[Vec<i64>]>,
-) -> Vec<crate::buckets::Packed> {
+) -> Vec<crate::buckets::ResultLayout> {
     let Some(real) = real.filter(|_| prog.bucketed) else {
         return Vec::new();
     };
     let mut news = real.iter();
     prog.outputs
         .iter()
-        .filter_map(|o| match o {
-            Output::New { .. } => news.next().map(|s| (s.iter().product(), None)),
-            Output::Write { path, .. } => {
-                let v = &tensor_at(params, *path).view;
-                Some((v.numel(), (!v.is_contiguous()).then(|| v.clone())))
-            }
-            Output::Check { .. } => None,
+        .zip(&prog.result_dims)
+        .filter_map(|(o, padded)| {
+            let (real, target) = match o {
+                Output::New { .. } => (news.next()?.clone(), None),
+                Output::Write { path, .. } => {
+                    let v = &tensor_at(params, *path).view;
+                    (v.sizes.clone(), (!v.is_contiguous()).then(|| v.clone()))
+                }
+                Output::Check { .. } => return None,
+            };
+            let layout = Padded {
+                padded: padded.clone(),
+                real,
+            };
+            Some(crate::buckets::ResultLayout { layout, target })
         })
         .collect()
 }
@@ -1928,7 +1907,7 @@ fn execute_async(
     real: Option<&[Vec<i64>]>,
 ) -> Result<Vec<Ret>> {
     admit_outputs(&prog.outputs, device)?;
-    let packed = packed_sizes(prog, params, real);
+    let padded = result_layouts(prog, params, real);
     let mut real_new = real.filter(|_| prog.bucketed).map(|r| r.iter());
     let mut inputs = Vec::with_capacity(prog.inputs.len());
     for inp in &prog.inputs {
@@ -1955,16 +1934,32 @@ fn execute_async(
                     device,
                 )?));
             }
-            Input::Packed { path, dtype, dims } => {
-                let Loc::Device(p) = tensor_at(params, *path).loc else {
-                    unreachable!("packed input on the host")
+            Input::Padded {
+                path,
+                dtype,
+                padded,
+            } => {
+                let t = tensor_at(params, *path);
+                let Loc::Device(p) = t.loc else {
+                    unreachable!("padded input on the host")
                 };
+                let layout = storage_layout(t);
+                debug_assert_eq!(&layout.padded, padded, "the key names the layout");
                 // SAFETY: the shim holds the tensor alive during the call.
                 let s = unsafe { Storage::share(p) };
-                inputs.push(JobIn::Packed(s, *dtype, dims.clone()));
+                inputs.push(JobIn::Padded(s, *dtype, layout));
+            }
+            Input::StorageSize { path, dim } => {
+                let n = storage_layout(tensor_at(params, *path)).real[*dim];
+                inputs.push(JobIn::Buf(rt.upload_input(
+                    &n.to_le_bytes(),
+                    DType::I64,
+                    &[],
+                    device,
+                )?));
             }
             Input::ViewInt { path, dim } => {
-                let v = view_int(&tensor_at(params, *path).view, *dim);
+                let v = view_int(tensor_at(params, *path), *dim);
                 inputs.push(JobIn::Buf(rt.upload_input(
                     &v.to_le_bytes(),
                     DType::I64,
@@ -2032,8 +2027,8 @@ fn execute_async(
                     let n: i64 = sizes.iter().product();
                     let s = Arc::new(Storage::new(n * dtype.size() as i64, device));
                     s.mark_pending(seq);
-                    if let Some(dims) = keep_packed(prog, &packed, outputs.len()) {
-                        s.will_pack(*dtype, dims);
+                    if let Some(layout) = keep_padded(&padded, outputs.len()) {
+                        s.will_pad(*dtype, layout);
                     }
                     outputs.push((s.clone(), *dtype));
                     new.push(Ret::Tensor {
@@ -2048,8 +2043,8 @@ fn execute_async(
                         // SAFETY: the shim holds the tensor alive during the call.
                         let s = unsafe { Storage::share(p) };
                         s.mark_pending(seq);
-                        if let Some(dims) = keep_packed(prog, &packed, outputs.len()) {
-                            s.will_pack(*dtype, dims);
+                        if let Some(layout) = keep_padded(&padded, outputs.len()) {
+                            s.will_pad(*dtype, layout);
                         }
                         outputs.push((s, *dtype));
                     }
@@ -2064,7 +2059,7 @@ fn execute_async(
             new_outputs: new.len(),
             outputs,
             deps: Vec::new(),
-            packed,
+            padded,
         }
     })?;
     Ok(new)
@@ -2120,12 +2115,23 @@ fn execute(
                 let n = tensor_at(params, *path).view.sizes[*dim] as i32;
                 bufs.push(rt.upload_input(&n.to_le_bytes(), DType::I32, &[], device)?);
             }
-            Input::Packed { path, dtype, dims } => {
-                let s = tensor_at(params, *path).storage().expect("device tensor");
-                bufs.push(crate::buckets::packed_input(rt, s, *dtype, dims)?);
+            Input::Padded {
+                path,
+                dtype,
+                padded,
+            } => {
+                let t = tensor_at(params, *path);
+                let s = t.storage().expect("device tensor");
+                let layout = storage_layout(t);
+                debug_assert_eq!(&layout.padded, padded, "the key names the layout");
+                bufs.push(crate::buckets::padded_input(rt, s, *dtype, &layout)?);
+            }
+            Input::StorageSize { path, dim } => {
+                let n = storage_layout(tensor_at(params, *path)).real[*dim];
+                bufs.push(rt.upload_input(&n.to_le_bytes(), DType::I64, &[], device)?);
             }
             Input::ViewInt { path, dim } => {
-                let v = view_int(&tensor_at(params, *path).view, *dim);
+                let v = view_int(tensor_at(params, *path), *dim);
                 bufs.push(rt.upload_input(&v.to_le_bytes(), DType::I64, &[], device)?);
             }
             Input::ResultSize { result, dim } => {
@@ -2155,11 +2161,11 @@ fn execute(
     if let Some(e) = failed_check(rt, &prog.outputs, &outs)? {
         return Err(e);
     }
-    let packed = packed_sizes(prog, params, real);
+    let padded = result_layouts(prog, params, real);
     let mut real_new = real.filter(|_| prog.bucketed).map(|r| r.iter());
     let mut new = Vec::new();
     for (i, (o, buf)) in prog.outputs.iter().zip(outs).enumerate() {
-        let buf = match (o, packed.get(i)) {
+        let buf = match (o, padded.get(i)) {
             (Output::New { dtype, .. } | Output::Write { dtype, .. }, Some(p)) => {
                 crate::buckets::compact(rt, &buf, *dtype, p)?
             }
@@ -2220,25 +2226,18 @@ pub(crate) fn failed_check(
 mod tests {
     use super::*;
 
-    fn view(sizes: &[i64], strides: &[i64], offset: i64) -> TensorRef {
-        TensorRef {
-            loc: Loc::Host(std::ptr::null_mut()),
-            dtype: Some(DType::F32),
-            view: View {
-                sizes: sizes.to_vec(),
-                strides: strides.to_vec(),
-                offset,
-            },
-            nbytes: 0,
-            wrapped: false,
-            device: 0,
+    fn view(sizes: &[i64], strides: &[i64], offset: i64) -> View {
+        View {
+            sizes: sizes.to_vec(),
+            strides: strides.to_vec(),
+            offset,
         }
     }
 
     #[test]
     fn a_padded_innermost_dim_is_read_whole_only_inside_the_buffer() {
         let padded = [None, Some(32)];
-        // [3, 20] packed in a [3, 32] buffer: the last row starts at 40, 40 + 32 <= 96.
+        // [3, 20] in a buffer of 96: the last row starts at 40, 40 + 32 <= 96.
         assert_eq!(read_rows(&view(&[3, 20], &[20, 1], 0), &padded, 96), 1);
         // The same view near the end of a buffer of 70: a row read whole would be clamped.
         assert_eq!(read_rows(&view(&[3, 20], &[20, 1], 0), &padded, 70), 0);

@@ -46,15 +46,14 @@ struct Inner {
     buf: Option<(Arc<pjrt::Buffer>, DType)>,
     /// The failure of the async op that should have written it.
     poison: Option<Error>,
-    /// `buf` is a bucketed program's result: more elements than the storage, its own
-    /// ones packed at the front (see `buckets`). Readers other than bucketed programs
-    /// get it compacted (`buffer_now`, `current`).
-    packed: bool,
-    /// Dtype and dims of the packed buffer the last queued write leaves (None: exact), so
+    /// `buf` is a bucketed program's result in its padded layout (see `buckets::Padded`).
+    /// Readers other than bucketed programs get it compacted (`buffer_now`, `current`).
+    padded: Option<crate::buckets::Padded>,
+    /// Dtype and layout of the padded buffer the last queued write leaves (None: exact), so
     /// that the next op's key can name it. Queue-time state only: the worker compacting the
     /// buffer for an exact reader leaves it, or a later op's program would depend on how far
-    /// the worker got (`buckets::packed_input` pads a compacted buffer again).
-    packed_dims: Option<(DType, Vec<i64>)>,
+    /// the worker got (`buckets::padded_input` pads a compacted buffer again).
+    layout: Option<(DType, crate::buckets::Padded)>,
 }
 
 fn next_id() -> u64 {
@@ -81,8 +80,8 @@ impl Storage {
                 nbytes,
                 buf: None,
                 poison: None,
-                packed: false,
-                packed_dims: None,
+                padded: None,
+                layout: None,
             }),
             lazy: AtomicBool::new(false),
             pending: AtomicU64::new(0),
@@ -100,8 +99,8 @@ impl Storage {
                 nbytes: n,
                 buf: Some((buf, dtype)),
                 poison: None,
-                packed: false,
-                packed_dims: None,
+                padded: None,
+                layout: None,
             }),
             lazy: AtomicBool::new(false),
             pending: AtomicU64::new(0),
@@ -169,7 +168,7 @@ impl Storage {
     /// Its next value comes from the worker's job `seq`.
     pub(crate) fn mark_pending(&self, seq: u64) {
         // An exact write unless the queuing op says otherwise (`will_pack`).
-        self.lock().packed_dims = None;
+        self.lock().layout = None;
         let prev = self.pending.swap(seq, Ordering::AcqRel);
         if prev != 0 {
             MARKS.with(|m| {
@@ -182,48 +181,57 @@ impl Storage {
 
     /// The worker's job `seq` produced the value.
     pub(crate) fn fill(&self, seq: u64, buf: Arc<pjrt::Buffer>, dtype: DType) {
-        self.fill_as(seq, buf, dtype, false);
+        self.fill_as(seq, buf, dtype, None);
     }
 
-    /// `fill` with a bucketed program's packed result (see `Inner::packed`).
-    pub(crate) fn fill_as(&self, seq: u64, buf: Arc<pjrt::Buffer>, dtype: DType, packed: bool) {
+    /// `fill` with a bucketed program's padded result (see `Inner::padded`).
+    pub(crate) fn fill_as(
+        &self,
+        seq: u64,
+        buf: Arc<pjrt::Buffer>,
+        dtype: DType,
+        padded: Option<crate::buckets::Padded>,
+    ) {
         {
             let mut g = self.lock();
             g.buf = Some((buf, dtype));
             g.poison = None;
-            g.packed = packed;
+            g.padded = padded;
         }
         self.unpend(seq);
     }
 
-    /// A queued bucketed program will write a packed buffer of `dtype` and `dims`.
-    pub(crate) fn will_pack(&self, dtype: DType, dims: Vec<i64>) {
-        self.lock().packed_dims = Some((dtype, dims));
+    /// A queued bucketed program will write a padded buffer of `dtype` and `layout`.
+    pub(crate) fn will_pad(&self, dtype: DType, layout: crate::buckets::Padded) {
+        self.lock().layout = Some((dtype, layout));
     }
 
-    /// Dtype and dims of its packed buffer (held or coming), None if exact.
-    pub(crate) fn packed_dims(&self) -> Option<(DType, Vec<i64>)> {
-        self.lock().packed_dims.clone()
+    /// Dtype and layout of its padded buffer (held or coming), None if exact.
+    pub(crate) fn padded_layout(&self) -> Option<(DType, crate::buckets::Padded)> {
+        self.lock().layout.clone()
     }
 
-    /// The worker's packed buffer, if it still holds one of `dims` and `dtype`.
-    pub(crate) fn packed_now(&self, dtype: DType, dims: &[i64]) -> Option<Arc<pjrt::Buffer>> {
+    /// The worker's padded buffer, if it still holds one of `layout` and `dtype`.
+    pub(crate) fn padded_now(
+        &self,
+        dtype: DType,
+        layout: &crate::buckets::Padded,
+    ) -> Option<Arc<pjrt::Buffer>> {
         let g = self.lock();
-        match &g.buf {
-            Some((b, d)) if g.packed && *d == dtype && b.dims() == dims => Some(b.clone()),
+        match (&g.buf, &g.padded) {
+            (Some((b, d)), Some(p)) if *d == dtype && p == layout => Some(b.clone()),
             _ => None,
         }
     }
 
-    /// Replaces a packed buffer by its first `nbytes`, as a flat buffer of its own.
+    /// Replaces a padded buffer by its real elements, as a flat buffer of its own.
     fn unpack(&self, rt: &Runtime, g: &mut Inner) -> Result<()> {
-        let Some((b, d)) = g.buf.clone().filter(|_| g.packed) else {
+        let (Some((b, d)), Some(p)) = (g.buf.clone(), g.padded.clone()) else {
             return Ok(());
         };
-        let elems = g.nbytes / d.size() as i64;
-        let exact = crate::buckets::compact(rt, &b, d, &(elems, None))?;
+        let exact = crate::buckets::unpadded(rt, &b, d, &p)?;
         g.buf = Some((exact, d));
-        g.packed = false;
+        g.padded = None;
         Ok(())
     }
 
@@ -288,8 +296,8 @@ impl Storage {
             let mut g = self.lock();
             g.buf = Some((buf, dtype));
             g.poison = None;
-            g.packed = false;
-            g.packed_dims = None;
+            g.padded = None;
+            g.layout = None;
         }
         self.lazy.store(false, Ordering::Release);
     }
@@ -363,8 +371,8 @@ impl Storage {
         self.before_write()?;
         let mut g = self.lock();
         g.buf = Some((buf, dtype));
-        g.packed = false;
-        g.packed_dims = None;
+        g.padded = None;
+        g.layout = None;
         Ok(())
     }
 
@@ -395,8 +403,8 @@ impl Storage {
         self.resized(g.nbytes, n);
         g.nbytes = n;
         g.buf = Some((buf, DType::U8));
-        g.packed = false;
-        g.packed_dims = None;
+        g.padded = None;
+        g.layout = None;
         Ok(())
     }
 

@@ -31,7 +31,7 @@ fn job(op: &str, work: Work) -> Job {
         outputs: Vec::new(),
         new_outputs: 0,
         deps: Vec::new(),
-        packed: Vec::new(),
+        padded: Vec::new(),
     }
 }
 

@@ -33,8 +33,8 @@ pub(crate) enum JobIn {
     /// A staged input of a bucketed program: the storage's view, laid out in the padded
     /// dims when the job runs (see `buckets::stage`).
     Staged(Arc<Storage>, DType, crate::layout::View, Vec<i64>),
-    /// The packed buffer (of these dims) a bucketed program left in a storage.
-    Packed(Arc<Storage>, DType, Vec<i64>),
+    /// The padded buffer (of this layout) a bucketed program left in a storage.
+    Padded(Arc<Storage>, DType, crate::buckets::Padded),
 }
 
 /// Host memory a queued upload reads; the owner (the shim's reference to the CPU tensor)
@@ -120,9 +120,9 @@ pub(crate) struct Job {
     pub new_outputs: usize,
     /// Jobs of other streams it must wait for (filled by `Worker::submit`).
     pub deps: Vec<u64>,
-    /// A bucketed program's results: how many elements of each (new tensors, then
-    /// targets) are real, packed at the front of its buffer. Empty otherwise.
-    pub packed: Vec<crate::buckets::Packed>,
+    /// A bucketed program's results: the layout of each (new tensors, then targets) in
+    /// its buffer. Empty otherwise.
+    pub padded: Vec<crate::buckets::ResultLayout>,
 }
 
 /// A sequence number tagged with its stream.
@@ -229,7 +229,7 @@ impl Worker {
         let prev = crate::storage::collect_marks(|| make(seq));
         let (mut job, mut deps) = prev;
         for i in &job.inputs {
-            if let JobIn::Storage(s, _) | JobIn::Staged(s, ..) | JobIn::Packed(s, ..) = i {
+            if let JobIn::Storage(s, _) | JobIn::Staged(s, ..) | JobIn::Padded(s, ..) = i {
                 deps.push(s.pending_seq());
             }
         }
@@ -276,7 +276,7 @@ impl Worker {
                 new_outputs,
                 outputs: targets,
                 deps: Vec::new(),
-                packed: Vec::new(),
+                padded: Vec::new(),
             }
         })
         .map(|_| ())
@@ -438,11 +438,11 @@ impl Worker {
                     crate::buckets::stage(rt, &whole, *dt, view, padded)
                         .map_err(|e| failed(e.msg))?
                 }
-                JobIn::Packed(s, dt, dims) => {
+                JobIn::Padded(s, dt, layout) => {
                     if let Some(e) = s.poisoned() {
                         return Err(e);
                     }
-                    crate::buckets::packed_input(rt, s, *dt, dims).map_err(|e| failed(e.msg))?
+                    crate::buckets::padded_input(rt, s, *dt, layout).map_err(|e| failed(e.msg))?
                 }
             });
         }
@@ -516,25 +516,22 @@ impl Worker {
             self.check_failed(seq, job, e);
             return Ok(());
         }
-        // A bucketed program's results stay packed (read on the device by the next one)
+        // A bucketed program's results stay padded (read on the device by the next one)
         // unless a permuted target needs them laid out.
         let mut filled = Vec::with_capacity(job.outputs.len());
         for (i, ((_, dt), b)) in job.outputs.iter().zip(outs).enumerate() {
-            filled.push(match job.packed.get(i) {
-                Some(p @ (_, Some(_))) => (
-                    crate::buckets::compact(rt, &b, *dt, p).map_err(|e| failed(e.msg))?,
-                    false,
+            filled.push(match job.padded.get(i) {
+                Some(r) if r.target.is_some() => (
+                    crate::buckets::compact(rt, &b, *dt, r).map_err(|e| failed(e.msg))?,
+                    None,
                 ),
                 // A result with no padding is an exact buffer already.
-                Some((n, None)) => {
-                    let exact = b.dims().iter().product::<i64>() == *n;
-                    (b, !exact)
-                }
-                None => (b, false),
+                Some(r) if !r.layout.is_exact() => (b, Some(r.layout.clone())),
+                _ => (b, None),
             });
         }
-        for ((s, dt), (b, packed)) in job.outputs.iter().zip(filled) {
-            s.fill_as(seq, b, *dt, packed);
+        for ((s, dt), (b, padded)) in job.outputs.iter().zip(filled) {
+            s.fill_as(seq, b, *dt, padded);
         }
         Ok(())
     }

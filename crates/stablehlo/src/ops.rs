@@ -1,5 +1,7 @@
 //! Typed op helpers: each computes its result type and emits one generic op.
 
+use std::fmt::Write;
+
 use crate::{i64_array, i64_list, Builder, DType, TensorType, Value};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -138,6 +140,10 @@ impl Builder {
     pub fn div(&mut self, a: Value, b: Value) -> Value {
         self.binary("stablehlo.divide", a, b)
     }
+    /// C's remainder (the sign of `a`).
+    pub fn rem(&mut self, a: Value, b: Value) -> Value {
+        self.binary("stablehlo.remainder", a, b)
+    }
     /// Maximum that propagates NaN (XLA:CPU's maximum does not), as PyTorch's does.
     pub fn max(&mut self, a: Value, b: Value) -> Value {
         self.combine(ReduceKind::Max, a, b)
@@ -215,6 +221,75 @@ impl Builder {
         );
         self.real_sizes.insert(v, sizes);
         v
+    }
+
+    /// `x`, whose dims `sizes` hold the real sizes given (`i32` scalars), as a plain static
+    /// array of its padded shape: a program's result then leaves as an ordinary buffer
+    /// (padding past the real part of each dim) instead of one carrying XLA's size
+    /// metadata. The dims are marked dynamic in a bounded type, then set to their bound,
+    /// which XLA takes as static again (with a static operand type it keeps them dynamic).
+    pub fn forget_dynamic_sizes(&mut self, x: Value, sizes: &[(usize, Value)]) -> Value {
+        let ty = self.ty(x).clone();
+        let bounded = |dynamic: &[bool]| {
+            let (mut dims, mut bounds) = (String::new(), Vec::new());
+            for (d, n) in ty.shape.iter().enumerate() {
+                let _ = write!(
+                    dims,
+                    "{}x",
+                    if dynamic[d] {
+                        "?".into()
+                    } else {
+                        n.to_string()
+                    }
+                );
+                bounds.push(if dynamic[d] {
+                    n.to_string()
+                } else {
+                    "?".into()
+                });
+            }
+            format!(
+                "tensor<{dims}{}, #stablehlo.bounds<{}>>",
+                ty.dtype.mlir(),
+                bounds.join(", ")
+            )
+        };
+        let mut dynamic = vec![false; ty.shape.len()];
+        let mut cur = x;
+        let mut cur_ty = ty.mlir();
+        let steps: Vec<(usize, Option<Value>)> = sizes
+            .iter()
+            .map(|(d, n)| (*d, Some(*n)))
+            .chain(sizes.iter().map(|(d, _)| (*d, None)))
+            .collect();
+        for (d, n) in steps {
+            let size = match n {
+                Some(n) => {
+                    dynamic[d] = true;
+                    n
+                }
+                None => {
+                    dynamic[d] = false;
+                    self.constant_i64(DType::I32, ty.shape[d])
+                }
+            };
+            let out_ty = if dynamic.iter().any(|x| *x) {
+                bounded(&dynamic)
+            } else {
+                ty.mlir()
+            };
+            let v = self.fresh(ty.clone());
+            let line = format!(
+                "{} = \"stablehlo.set_dimension_size\"({}, {}) {{dimension = {d} : i64}} : ({cur_ty}, tensor<i32>) -> {out_ty}",
+                Self::name(v),
+                Self::name(cur),
+                Self::name(size)
+            );
+            self.line(&line);
+            cur = v;
+            cur_ty = out_ty;
+        }
+        cur
     }
 
     /// Whether dim `dim` of `x` has a real size below its type's (a padded input's dim,
