@@ -733,8 +733,14 @@ pub(crate) fn read_in(v: &View, p: &Padded) -> Option<ReadView> {
         reach[j] += left - 1;
         stepped[j] = true;
         dims.reverse();
-        out.strides[k] = MERGED;
-        merged.push((k, dims));
+        if dims[1..].iter().all(|d| p.padded[*d] == real[*d]) {
+            // Inner dims without padding: a run of the padded buffer too ([T, H*D] over
+            // [T, H, D]).
+            out.strides[k] = padded[m];
+        } else {
+            out.strides[k] = MERGED;
+            merged.push((k, dims));
+        }
     }
     // No view dim runs past its storage dim (into the next one's digit), and none steps
     // through a dim a merged one runs over whole.
@@ -744,6 +750,37 @@ pub(crate) fn read_in(v: &View, p: &Padded) -> Option<ReadView> {
         }
     }
     Some(ReadView { view: out, merged })
+}
+
+/// Where the last row of `read` (its innermost dim left out) starts in the buffer of
+/// `layout`: a merged dim's last index in the real sizes of the storage dims it runs over.
+pub(crate) fn last_row_start(read: &ReadView, layout: &Padded) -> i64 {
+    let v = &read.view;
+    let padded = lowering::shape::contiguous_strides(&layout.padded);
+    let Some(last) = v.sizes.len().checked_sub(1) else {
+        return v.offset;
+    };
+    let mut start = v.offset;
+    for d in 0..last {
+        let i = v.sizes[d] - 1;
+        start += match read.merged.iter().find(|m| m.0 == d) {
+            Some((_, over)) => {
+                let (mut inner, mut at) = (1, 0);
+                for (k, j) in over.iter().enumerate().rev() {
+                    let digit = if k == 0 {
+                        i / inner
+                    } else {
+                        i / inner % layout.real[*j]
+                    };
+                    at += digit * padded[*j];
+                    inner *= layout.real[*j];
+                }
+                at
+            }
+            None => i * v.strides[d],
+        };
+    }
+    start
 }
 
 #[cfg(test)]
@@ -793,19 +830,34 @@ mod tests {
         let r = read_in(&view(&[2, 4, 5, 5], &[100, 25, 5, 1], 0), &heads).unwrap();
         assert_eq!(r.view.strides, vec![256, 64, 8, 1]);
         // A transposed key [B*H, D, T] = [8, 3, 5] (T padded to 8) read as [B, T, H*D] =
-        // [2, 5, 12]: H*D runs over D whole and steps through B*H with the batch dim.
+        // [2, 5, 12]: H*D runs over D whole and steps through B*H with the batch dim; D is
+        // not padded, so that is one stride.
         let key = Padded {
             padded: vec![8, 3, 8],
             real: vec![8, 3, 5],
         };
         let r = read_in(&view(&[2, 5, 12], &[60, 1, 5], 0), &key).unwrap();
+        assert_eq!((r.view.strides, r.merged.len()), (vec![96, 1, 8], 0));
+        // The same with D padded too: merged.
+        let key = Padded {
+            padded: vec![8, 4, 8],
+            real: vec![8, 3, 5],
+        };
+        let r = read_in(&view(&[2, 5, 12], &[60, 1, 5], 0), &key).unwrap();
         assert_eq!(r.merged, vec![(2, vec![0, 1])]);
-        assert_eq!(r.view.strides, vec![96, 1, MERGED]);
+        assert_eq!(r.view.strides, vec![128, 1, MERGED]);
         // Past the batch dim's end: none.
         assert!(read_in(&view(&[2, 5, 16], &[60, 1, 5], 0), &key).is_none());
         // The second batch row only: [T, C] at offset 15 is a single dim.
         let r = read_in(&view(&[5, 3], &[3, 1], 15), &p).unwrap();
         assert_eq!((r.view.strides, r.view.offset), (vec![3, 1], 24));
+        // Unpadded inner dims merge into one stride: [B, T, H*D] over [B, T, H, D].
+        let heads = Padded {
+            padded: vec![2, 8, 4, 3],
+            real: vec![2, 5, 4, 3],
+        };
+        let r = read_in(&view(&[2, 5, 12], &[60, 12, 1], 0), &heads).unwrap();
+        assert_eq!((r.view.strides, r.merged.len()), (vec![96, 12, 1], 0));
         // A flat view of all of it: three dims merged.
         let r = read_in(&view(&[30], &[1], 0), &p).unwrap();
         assert_eq!(r.merged, vec![(0, vec![0, 1, 2])]);

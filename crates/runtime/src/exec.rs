@@ -170,14 +170,15 @@ fn read_block(v: &View, dims: &[Option<i64>]) -> usize {
     n
 }
 
-/// How many trailing dims a bucketed program reads as rows of the staged view held in a
-/// buffer of `cap` elements: `read_block`'s, or, when the innermost dim is padded (rows of
+/// How many trailing dims a bucketed program reads as rows of the staged view (`read`, in
+/// the buffer of `layout`): `read_block`'s, or, when the innermost dim is padded (rows of
 /// one element), that dim whole at its bucket's width. A row then runs past the view's real
 /// elements into whatever follows in the buffer (padding to XLA's padder), so only where
-/// every real row's start plus the width stays inside the buffer (a packed buffer: always,
-/// see ARCHITECTURE.md), else XLA's gather would clamp the start and shift real elements.
+/// every real row's start plus the width stays inside the buffer (a padded buffer read with
+/// its own width: always), else XLA's gather would clamp the start and shift real elements.
 /// Part of the program's key.
-fn read_rows(v: &View, dims: &[Option<i64>], cap: i64) -> usize {
+fn read_rows(read: &ReadView, layout: &Padded, dims: &[Option<i64>]) -> usize {
+    let v = &read.view;
     let n = read_block(v, dims);
     let Some(last) = v.sizes.len().checked_sub(1) else {
         return n;
@@ -185,14 +186,11 @@ fn read_rows(v: &View, dims: &[Option<i64>], cap: i64) -> usize {
     let Some(width) = dims[last] else {
         return n;
     };
-    if n > 0 || v.strides[last] != 1 || v.strides.iter().any(|s| *s < 0) {
+    if n > 0 || v.strides[last] != 1 {
         return n;
     }
-    let last_start: i64 = v.offset
-        + (0..last)
-            .map(|d| (v.sizes[d] - 1) * v.strides[d])
-            .sum::<i64>();
-    if last_start + width <= cap {
+    let cap: i64 = layout.padded.iter().product();
+    if crate::buckets::last_row_start(read, layout) + width <= cap {
         1
     } else {
         0
@@ -225,6 +223,50 @@ fn device_source(t: &TensorRef, dynamic: bool) -> Option<(Padded, ReadView)> {
     };
     let read = crate::buckets::read_in(&t.view, &layout)?;
     Some((layout, read))
+}
+
+/// A staged view as the program gathers it: its dims in the order they lie in the buffer,
+/// outermost first (`perm[i]`: the view dim read as dim `i`), so that rows are runs of the
+/// buffer's innermost dims whatever the view's order (a transposed operand's rows), and the
+/// view, its merged dims and its buckets (`dims`) in that order. Part of the key.
+struct Gathered {
+    perm: Vec<usize>,
+    read: ReadView,
+    dims: Vec<Option<i64>>,
+}
+
+fn in_buffer_order(read: &ReadView, layout: &Padded, dims: &[Option<i64>]) -> Gathered {
+    let strides = lowering::shape::contiguous_strides(&layout.padded);
+    let v = &read.view;
+    // Where a dim steps in the buffer: a merged one by its innermost storage dim; one that
+    // steps nowhere (size 1, a broadcast) goes outermost.
+    let step = |d: usize| match read.merged.iter().find(|m| m.0 == d) {
+        Some((_, over)) => strides[*over.last().expect("merged over storage dims")],
+        None if v.sizes[d] == 1 || v.strides[d] == 0 => i64::MAX,
+        None => v.strides[d],
+    };
+    let mut perm: Vec<usize> = (0..v.sizes.len()).collect();
+    perm.sort_by_key(|d| std::cmp::Reverse(step(*d)));
+    let view = View {
+        sizes: perm.iter().map(|d| v.sizes[*d]).collect(),
+        strides: perm.iter().map(|d| v.strides[*d]).collect(),
+        offset: v.offset,
+    };
+    let merged = read
+        .merged
+        .iter()
+        .map(|(d, over)| {
+            (
+                perm.iter().position(|p| p == d).expect("a view dim"),
+                over.clone(),
+            )
+        })
+        .collect();
+    Gathered {
+        dims: perm.iter().map(|d| dims[*d]).collect(),
+        read: ReadView { view, merged },
+        perm,
+    }
 }
 
 /// Whether a staged view, padded to `padded`, is its padded buffer itself (read without a
@@ -468,9 +510,12 @@ pub(crate) fn key_with(
                                     if reads_whole(&layout, &read, &padded) {
                                         k.push(b'w');
                                     } else {
-                                        let cap = layout.padded.iter().product();
-                                        num(k, read_rows(&read.view, dims, cap) as i64);
-                                        for (d, over) in &read.merged {
+                                        let g = in_buffer_order(&read, &layout, dims);
+                                        let perm: Vec<i64> =
+                                            g.perm.iter().map(|d| *d as i64).collect();
+                                        ints(k, &perm);
+                                        num(k, read_rows(&g.read, &layout, &g.dims) as i64);
+                                        for (d, over) in &g.read.merged {
                                             num(k, *d as i64);
                                             let over: Vec<i64> =
                                                 over.iter().map(|j| *j as i64).collect();
@@ -1316,7 +1361,7 @@ impl Sources for ProgramInputs<'_> {
             Some((layout, read)) => {
                 // The view read on the device: element `i` of the padded view is
                 // flat[offset + sum(i_k * stride_k)], offset and strides (in the buffer's
-                // layout) given at run time.
+                // layout) given at run time. Gathered in the buffer's order, then transposed.
                 self.inputs.push(Input::Padded {
                     path,
                     dtype,
@@ -1324,10 +1369,16 @@ impl Sources for ProgramInputs<'_> {
                 });
                 let cap: i64 = layout.padded.iter().product();
                 let flat = b.param(TensorType::new(dtype, &[cap]));
+                let Gathered {
+                    perm,
+                    read,
+                    dims: pdims,
+                } = in_buffer_order(&read, &layout, dims);
+                let order: Vec<i64> = perm.iter().map(|d| padded[*d]).collect();
                 // Rows of the trailing static dims adjacent in memory are read whole
                 // (`read_rows`): one index per row instead of one per element.
-                let k = padded.len() - read_rows(&read.view, dims, cap);
-                let (lead, block) = padded.split_at(k);
+                let k = order.len() - read_rows(&read, &layout, &pdims);
+                let (lead, block) = order.split_at(k);
                 let it = index_type(cap);
                 self.inputs.push(Input::ViewInt { path, dim: None });
                 let off = b.param(TensorType::scalar(DType::I64));
@@ -1366,7 +1417,10 @@ impl Sources for ProgramInputs<'_> {
                             term.expect("a merged dim covers storage dims")
                         }
                         None => {
-                            self.inputs.push(Input::ViewInt { path, dim: Some(d) });
+                            self.inputs.push(Input::ViewInt {
+                                path,
+                                dim: Some(perm[d]),
+                            });
                             let s = b.param(TensorType::scalar(DType::I64));
                             let s = b.convert(s, it);
                             let s = b.broadcast_in_dim(s, lead, &[]);
@@ -1381,7 +1435,16 @@ impl Sources for ProgramInputs<'_> {
                 let width: i64 = block.iter().product();
                 let idx = b.reshape(idx, &[rows, 1]);
                 let g = b.gather(flat, idx, &[1], &[], &[0], 1, &[width]);
-                b.reshape(g, &padded)
+                let g = b.reshape(g, &order);
+                if perm.iter().enumerate().all(|(i, d)| i == *d) {
+                    g
+                } else {
+                    let mut back = vec![0i64; perm.len()];
+                    for (i, d) in perm.iter().enumerate() {
+                        back[*d] = i as i64;
+                    }
+                    b.transpose(g, &back)
+                }
             }
             None => {
                 self.inputs.push(Input::Staged {
@@ -2165,8 +2228,12 @@ fn execute(
     let mut real_new = real.filter(|_| prog.bucketed).map(|r| r.iter());
     let mut new = Vec::new();
     for (i, (o, buf)) in prog.outputs.iter().zip(outs).enumerate() {
+        // Kept padded for the next bucketed op, as in Strict.
+        let keep = keep_padded(&padded, i);
         let buf = match (o, padded.get(i)) {
-            (Output::New { dtype, .. } | Output::Write { dtype, .. }, Some(p)) => {
+            (Output::New { dtype, .. } | Output::Write { dtype, .. }, Some(p))
+                if keep.is_none() =>
+            {
                 crate::buckets::compact(rt, &buf, *dtype, p)?
             }
             _ => buf,
@@ -2178,7 +2245,10 @@ fn execute(
                     None => sizes,
                 };
                 let dev = buf.device();
-                let s = Storage::with_buffer(buf, *dtype, dev);
+                let s = match keep {
+                    Some(layout) => Storage::with_layout(buf, *dtype, dev, layout),
+                    None => Storage::with_buffer(buf, *dtype, dev),
+                };
                 new.push(Ret::Tensor {
                     handle: s.into_handle(),
                     dtype: *dtype,
@@ -2190,7 +2260,7 @@ fn execute(
                 tensor_at(params, *path)
                     .storage()
                     .expect("device tensor")
-                    .set(buf, *dtype)?;
+                    .set_as(buf, *dtype, keep)?;
             }
             Output::Check { .. } => {}
         }
@@ -2235,18 +2305,47 @@ mod tests {
     }
 
     #[test]
+    fn a_transposed_view_is_gathered_in_its_buffers_order() {
+        // [B*T, N] = [10, 4] held as [16, 4], read as its transpose [N, B*T].
+        let layout = Padded {
+            padded: vec![16, 4],
+            real: vec![10, 4],
+        };
+        let read = crate::buckets::read_in(&view(&[4, 10], &[1, 4], 0), &layout).unwrap();
+        let g = in_buffer_order(&read, &layout, &[None, Some(16)]);
+        assert_eq!(g.perm, vec![1, 0]);
+        assert_eq!(g.read.view.strides, vec![4, 1]);
+        assert_eq!(g.dims, vec![Some(16), None]);
+        // Rows of N: one index per row of the buffer, not one per element.
+        assert_eq!(read_rows(&g.read, &layout, &g.dims), 1);
+    }
+
+    #[test]
     fn a_padded_innermost_dim_is_read_whole_only_inside_the_buffer() {
+        let rows = |v: View, dims: &[Option<i64>], cap: i64| {
+            let read = ReadView {
+                view: v,
+                merged: Vec::new(),
+            };
+            read_rows(&read, &Padded::exact(cap), dims)
+        };
         let padded = [None, Some(32)];
         // [3, 20] in a buffer of 96: the last row starts at 40, 40 + 32 <= 96.
-        assert_eq!(read_rows(&view(&[3, 20], &[20, 1], 0), &padded, 96), 1);
+        assert_eq!(rows(view(&[3, 20], &[20, 1], 0), &padded, 96), 1);
         // The same view near the end of a buffer of 70: a row read whole would be clamped.
-        assert_eq!(read_rows(&view(&[3, 20], &[20, 1], 0), &padded, 70), 0);
+        assert_eq!(rows(view(&[3, 20], &[20, 1], 0), &padded, 70), 0);
         // Strided innermost dim: one element at a time.
-        assert_eq!(read_rows(&view(&[3, 20], &[1, 3], 0), &padded, 96), 0);
+        assert_eq!(rows(view(&[3, 20], &[1, 3], 0), &padded, 96), 0);
         // Static trailing dims keep their rows.
-        assert_eq!(
-            read_rows(&view(&[20, 8], &[8, 1], 0), &[Some(32), None], 256),
-            1
-        );
+        assert_eq!(rows(view(&[20, 8], &[8, 1], 0), &[Some(32), None], 256), 1);
+        // A merged dim ([B*T, C] over [B, T, C], T and C padded): its last row starts at
+        // the real tensor's last row in the padded buffer.
+        let layout = Padded {
+            padded: vec![2, 8, 16],
+            real: vec![2, 5, 10],
+        };
+        let read = crate::buckets::read_in(&view(&[10, 10], &[10, 1], 0), &layout).unwrap();
+        assert_eq!(crate::buckets::last_row_start(&read, &layout), 128 + 4 * 16);
+        assert_eq!(read_rows(&read, &layout, &[Some(16), Some(16)]), 1);
     }
 }

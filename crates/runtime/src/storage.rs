@@ -90,7 +90,19 @@ impl Storage {
     }
 
     pub fn with_buffer(buf: Arc<pjrt::Buffer>, dtype: DType, device: usize) -> Storage {
-        let n = buf.dims().iter().product::<i64>() * dtype.size() as i64;
+        let n = buf.dims().iter().product::<i64>();
+        Self::with_layout(buf, dtype, device, crate::buckets::Padded::exact(n))
+    }
+
+    /// A storage holding `buf` in `layout` (a bucketed program's padded result).
+    pub(crate) fn with_layout(
+        buf: Arc<pjrt::Buffer>,
+        dtype: DType,
+        device: usize,
+        layout: crate::buckets::Padded,
+    ) -> Storage {
+        let n = layout.real.iter().product::<i64>() * dtype.size() as i64;
+        let padded = (!layout.is_exact()).then_some(layout);
         memory::on_alloc(device, n);
         Storage {
             device,
@@ -99,8 +111,8 @@ impl Storage {
                 nbytes: n,
                 buf: Some((buf, dtype)),
                 poison: None,
-                padded: None,
-                layout: None,
+                layout: padded.clone().map(|p| (dtype, p)),
+                padded,
             }),
             lazy: AtomicBool::new(false),
             pending: AtomicU64::new(0),
@@ -368,11 +380,21 @@ impl Storage {
 
     /// Replaces the contents (the buffer must hold exactly nbytes).
     pub fn set(&self, buf: Arc<pjrt::Buffer>, dtype: DType) -> Result<()> {
+        self.set_as(buf, dtype, None)
+    }
+
+    /// `set` with a bucketed program's padded result (`padded`: its layout, None if exact).
+    pub(crate) fn set_as(
+        &self,
+        buf: Arc<pjrt::Buffer>,
+        dtype: DType,
+        padded: Option<crate::buckets::Padded>,
+    ) -> Result<()> {
         self.before_write()?;
         let mut g = self.lock();
         g.buf = Some((buf, dtype));
-        g.padded = None;
-        g.layout = None;
+        g.layout = padded.clone().map(|p| (dtype, p));
+        g.padded = padded;
         Ok(())
     }
 
