@@ -787,13 +787,7 @@ pub(crate) fn last_row_start(read: &ReadView, layout: &Padded) -> i64 {
 mod tests {
     use super::*;
 
-    fn view(sizes: &[i64], strides: &[i64], offset: i64) -> View {
-        View {
-            sizes: sizes.to_vec(),
-            strides: strides.to_vec(),
-            offset,
-        }
-    }
+    use crate::layout::view;
 
     #[test]
     fn views_of_a_padded_storage_in_its_buffer() {

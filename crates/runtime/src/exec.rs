@@ -1348,20 +1348,7 @@ impl Sources for ProgramInputs<'_> {
         let ty = TensorType::new(dtype, &padded);
         let dynamic = dims.iter().any(|d| d.is_some());
         let mut v = match device_source(t, dynamic) {
-            Some((layout, read)) if reads_whole(&layout, &read, &padded) => {
-                self.inputs.push(Input::Padded {
-                    path,
-                    dtype,
-                    padded: layout.padded.clone(),
-                });
-                let cap: i64 = layout.padded.iter().product();
-                let buf = b.param(TensorType::new(dtype, &[cap]));
-                b.reshape(buf, &padded)
-            }
             Some((layout, read)) => {
-                // The view read on the device: element `i` of the padded view is
-                // flat[offset + sum(i_k * stride_k)], offset and strides (in the buffer's
-                // layout) given at run time. Gathered in the buffer's order, then transposed.
                 self.inputs.push(Input::Padded {
                     path,
                     dtype,
@@ -1369,81 +1356,10 @@ impl Sources for ProgramInputs<'_> {
                 });
                 let cap: i64 = layout.padded.iter().product();
                 let flat = b.param(TensorType::new(dtype, &[cap]));
-                let Gathered {
-                    perm,
-                    read,
-                    dims: pdims,
-                } = in_buffer_order(&read, &layout, dims);
-                let order: Vec<i64> = perm.iter().map(|d| padded[*d]).collect();
-                // Rows of the trailing static dims adjacent in memory are read whole
-                // (`read_rows`): one index per row instead of one per element.
-                let k = order.len() - read_rows(&read, &layout, &pdims);
-                let (lead, block) = order.split_at(k);
-                let it = index_type(cap);
-                self.inputs.push(Input::ViewInt { path, dim: None });
-                let off = b.param(TensorType::scalar(DType::I64));
-                let off = b.convert(off, it);
-                let mut idx = b.broadcast_in_dim(off, lead, &[]);
-                let strides = lowering::shape::contiguous_strides(&layout.padded);
-                for (d, n) in lead.iter().enumerate() {
-                    if *n == 1 {
-                        continue;
-                    }
-                    let io = b.iota(it, lead, d);
-                    let term = match read.merged.iter().find(|m| m.0 == d) {
-                        // A dim over several storage dims: the digit of each, from the
-                        // real sizes of the ones inside it.
-                        Some((_, over)) => {
-                            let mut term: Option<Value> = None;
-                            let mut inner = b.constant_i64(it, 1);
-                            for (i, j) in over.iter().enumerate().rev() {
-                                let ib = b.broadcast_in_dim(inner, lead, &[]);
-                                let mut digit = b.div(io, ib);
-                                self.inputs.push(Input::StorageSize { path, dim: *j });
-                                let size = b.param(TensorType::scalar(DType::I64));
-                                let size = b.convert(size, it);
-                                if i > 0 {
-                                    let sb = b.broadcast_in_dim(size, lead, &[]);
-                                    digit = b.rem(digit, sb);
-                                }
-                                let stride = b.full(it, lead, strides[*j] as f64);
-                                let t = b.mul(digit, stride);
-                                term = Some(match term {
-                                    Some(x) => b.add(x, t),
-                                    None => t,
-                                });
-                                inner = b.mul(inner, size);
-                            }
-                            term.expect("a merged dim covers storage dims")
-                        }
-                        None => {
-                            self.inputs.push(Input::ViewInt {
-                                path,
-                                dim: Some(perm[d]),
-                            });
-                            let s = b.param(TensorType::scalar(DType::I64));
-                            let s = b.convert(s, it);
-                            let s = b.broadcast_in_dim(s, lead, &[]);
-                            b.mul(io, s)
-                        }
-                    };
-                    idx = b.add(idx, term);
-                }
-                // Padding rows may point past the buffer: XLA's gather clamps a start index
-                // so that the row fits, any element will do there. A real row lies inside.
-                let rows: i64 = lead.iter().product();
-                let width: i64 = block.iter().product();
-                let idx = b.reshape(idx, &[rows, 1]);
-                let g = b.gather(flat, idx, &[1], &[], &[0], 1, &[width]);
-                let g = b.reshape(g, &order);
-                if perm.iter().enumerate().all(|(i, d)| i == *d) {
-                    g
+                if reads_whole(&layout, &read, &padded) {
+                    b.reshape(flat, &padded)
                 } else {
-                    let mut back = vec![0i64; perm.len()];
-                    for (i, d) in perm.iter().enumerate() {
-                        back[*d] = i as i64;
-                    }
-                    b.transpose(g, &back)
+                    self.gather_view(b, path, flat, &layout, &read, dims, &padded)
                 }
             }
             None => {
@@ -1495,6 +1411,100 @@ impl Sources for ProgramInputs<'_> {
         self.inputs.push(Input::Rng { path: gen });
         self.rng_consumed = consumed;
         Ok(())
+    }
+}
+
+impl ProgramInputs<'_> {
+    /// A staged view read from its storage's buffer (`flat`, of `layout`): element `i` of the
+    /// padded view is flat[offset + sum(i_k * stride_k)], offset and strides (in the buffer's
+    /// layout) given at run time. Gathered in the buffer's order, then transposed.
+    #[allow(clippy::too_many_arguments)]
+    fn gather_view(
+        &mut self,
+        b: &mut Builder,
+        path: Path,
+        flat: Value,
+        layout: &Padded,
+        read: &ReadView,
+        dims: &[Option<i64>],
+        padded: &[i64],
+    ) -> Value {
+        let Gathered {
+            perm,
+            read,
+            dims: pdims,
+        } = in_buffer_order(read, layout, dims);
+        let order: Vec<i64> = perm.iter().map(|d| padded[*d]).collect();
+        // Rows of the trailing static dims adjacent in memory are read whole
+        // (`read_rows`): one index per row instead of one per element.
+        let k = order.len() - read_rows(&read, layout, &pdims);
+        let (lead, block) = order.split_at(k);
+        let it = index_type(layout.padded.iter().product());
+        self.inputs.push(Input::ViewInt { path, dim: None });
+        let off = b.param(TensorType::scalar(DType::I64));
+        let off = b.convert(off, it);
+        let mut idx = b.broadcast_in_dim(off, lead, &[]);
+        let strides = lowering::shape::contiguous_strides(&layout.padded);
+        for (d, n) in lead.iter().enumerate() {
+            if *n == 1 {
+                continue;
+            }
+            let io = b.iota(it, lead, d);
+            let term = match read.merged.iter().find(|m| m.0 == d) {
+                // A dim over several storage dims: the digit of each, from the
+                // real sizes of the ones inside it.
+                Some((_, over)) => {
+                    let mut term: Option<Value> = None;
+                    let mut inner = b.constant_i64(it, 1);
+                    for (i, j) in over.iter().enumerate().rev() {
+                        let ib = b.broadcast_in_dim(inner, lead, &[]);
+                        let mut digit = b.div(io, ib);
+                        self.inputs.push(Input::StorageSize { path, dim: *j });
+                        let size = b.param(TensorType::scalar(DType::I64));
+                        let size = b.convert(size, it);
+                        if i > 0 {
+                            let sb = b.broadcast_in_dim(size, lead, &[]);
+                            digit = b.rem(digit, sb);
+                        }
+                        let stride = b.full(it, lead, strides[*j] as f64);
+                        let t = b.mul(digit, stride);
+                        term = Some(match term {
+                            Some(x) => b.add(x, t),
+                            None => t,
+                        });
+                        inner = b.mul(inner, size);
+                    }
+                    term.expect("a merged dim covers storage dims")
+                }
+                None => {
+                    self.inputs.push(Input::ViewInt {
+                        path,
+                        dim: Some(perm[d]),
+                    });
+                    let s = b.param(TensorType::scalar(DType::I64));
+                    let s = b.convert(s, it);
+                    let s = b.broadcast_in_dim(s, lead, &[]);
+                    b.mul(io, s)
+                }
+            };
+            idx = b.add(idx, term);
+        }
+        // Padding rows may point past the buffer: XLA's gather clamps a start index
+        // so that the row fits, any element will do there. A real row lies inside.
+        let rows: i64 = lead.iter().product();
+        let width: i64 = block.iter().product();
+        let idx = b.reshape(idx, &[rows, 1]);
+        let g = b.gather(flat, idx, &[1], &[], &[0], 1, &[width]);
+        let g = b.reshape(g, &order);
+        if perm.iter().enumerate().all(|(i, d)| i == *d) {
+            g
+        } else {
+            let mut back = vec![0i64; perm.len()];
+            for (i, d) in perm.iter().enumerate() {
+                back[*d] = i as i64;
+            }
+            b.transpose(g, &back)
+        }
     }
 }
 
@@ -1838,6 +1848,15 @@ fn result_size(
     }
 }
 
+/// The storage of a device tensor argument, shared with a queued job.
+fn queued_storage(t: &TensorRef) -> Arc<Storage> {
+    let Loc::Device(p) = t.loc else {
+        unreachable!("a device input on the host")
+    };
+    // SAFETY: the shim holds the tensor alive during the call.
+    unsafe { Storage::share(p) }
+}
+
 /// The layout of a staged tensor's storage buffer when the op is queued.
 fn storage_layout(t: &TensorRef) -> Padded {
     let s = t.storage().expect("device tensor");
@@ -1981,11 +2000,7 @@ fn execute_async(
                 padded,
             } => {
                 let t = tensor_at(params, *path);
-                let Loc::Device(p) = t.loc else {
-                    unreachable!("staged input on the host")
-                };
-                // SAFETY: the shim holds the tensor alive during the call.
-                let s = unsafe { Storage::share(p) };
+                let s = queued_storage(t);
                 inputs.push(JobIn::Staged(s, *dtype, t.view.clone(), padded.clone()));
             }
             Input::Size { path, dim } => {
@@ -2003,14 +2018,9 @@ fn execute_async(
                 padded,
             } => {
                 let t = tensor_at(params, *path);
-                let Loc::Device(p) = t.loc else {
-                    unreachable!("padded input on the host")
-                };
                 let layout = storage_layout(t);
                 debug_assert_eq!(&layout.padded, padded, "the key names the layout");
-                // SAFETY: the shim holds the tensor alive during the call.
-                let s = unsafe { Storage::share(p) };
-                inputs.push(JobIn::Padded(s, *dtype, layout));
+                inputs.push(JobIn::Padded(queued_storage(t), *dtype, layout));
             }
             Input::StorageSize { path, dim } => {
                 let n = storage_layout(tensor_at(params, *path)).real[*dim];
@@ -2296,13 +2306,7 @@ pub(crate) fn failed_check(
 mod tests {
     use super::*;
 
-    fn view(sizes: &[i64], strides: &[i64], offset: i64) -> View {
-        View {
-            sizes: sizes.to_vec(),
-            strides: strides.to_vec(),
-            offset,
-        }
-    }
+    use crate::layout::view;
 
     #[test]
     fn a_transposed_view_is_gathered_in_its_buffers_order() {

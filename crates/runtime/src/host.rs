@@ -207,13 +207,7 @@ pub fn half_to_f64(h: u16) -> f64 {
 mod tests {
     use super::*;
 
-    fn view(sizes: &[i64], strides: &[i64], offset: i64) -> View {
-        View {
-            sizes: sizes.to_vec(),
-            strides: strides.to_vec(),
-            offset,
-        }
-    }
+    use crate::layout::view;
 
     /// Reads and writes by runs agree with one element at a time.
     #[test]

@@ -206,3 +206,13 @@ pub fn write(b: &mut Builder, flat: Value, view: &View, value: Value) -> Value {
         &[ty],
     )[0]
 }
+
+/// A view from its parts (tests).
+#[cfg(test)]
+pub(crate) fn view(sizes: &[i64], strides: &[i64], offset: i64) -> View {
+    View {
+        sizes: sizes.to_vec(),
+        strides: strides.to_vec(),
+        offset,
+    }
+}
