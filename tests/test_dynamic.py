@@ -332,3 +332,57 @@ def test_padded_results_are_read_in_place_through_views():
             assert m["bucket_host_bytes"] == 0, m["bucket_host_bytes"]
         if i == 3:
             assert m["compilations"] == 0, m["programs"]
+
+
+@per_op
+def test_a_fixed_buffer_is_read_in_place_through_a_changing_view():
+    """A causal mask's [T, T] corner of a [64, 64] buffer: the buffer's storage is the same
+    at every call, so once the signature has seen it a few times its bucketed program reads
+    the view from it on the device (before: the corner went through the host every call)."""
+    torch.manual_seed(0)
+    data = torch.randn(64, 64)
+    mask = torch.rand(64, 64) > 0.5
+    data_t, mask_t = data.to("tpu"), mask.to("tpu")
+    lengths = (17, 19, 21, 23, 25, 27, 29, 31)
+    for i, t in enumerate(lengths):
+        torch.tpu.synchronize()
+        reset()
+        got = data_t[:t, :t].masked_fill(mask_t[:t, :t], -1.0)
+        torch.tpu.synchronize()
+        m = torch_pjrt.metrics()
+        torch.testing.assert_close(got.cpu(), data[:t, :t].masked_fill(mask[:t, :t], -1.0))
+        if i >= len(lengths) - 2:
+            assert m["bucket_host_bytes"] == 0, (t, m["bucket_host_bytes"])
+            assert m["compilations"] == 0, (t, m["programs"])
+
+
+@per_op
+def test_a_fixed_size_that_shares_a_bucket_with_a_length_is_not_padded():
+    """One mm signature serves a weight gradient ([48, T] @ [T, 16]: 48 output features)
+    and a hidden gradient ([T, 8] @ [8, 48]: T rows); with T from 33 to 64, 48 is a size of
+    T's bucket at the same dim. Seen in every training step, it counts as fixed there once
+    steps are counted: the gradient is computed at its own size, not padded to 64 and
+    compacted on the host for the optimizer. Inputs are views of one device tensor (read in
+    place), so after the first steps nothing goes through the host."""
+    torch.manual_seed(0)
+    cpu = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Linear(48, 8))
+    tpu = torch.nn.Sequential(torch.nn.Linear(16, 48), torch.nn.Linear(48, 8))
+    tpu.load_state_dict(cpu.state_dict())
+    tpu = tpu.to("tpu")
+    opts = [torch.optim.SGD(m.parameters(), lr=1e-2) for m in (cpu, tpu)]
+    data = torch.randn(64, 16)
+    data_t = data.to("tpu")
+    lengths = (40, 35, 57, 44, 61, 38, 50, 47, 59, 42)
+    for i, t in enumerate(lengths):
+        torch.tpu.synchronize()
+        reset()
+        for m, opt, x in ((cpu, opts[0], data), (tpu, opts[1], data_t)):
+            opt.zero_grad()
+            m(x[:t]).square().mean().backward()
+            opt.step()
+        torch.tpu.synchronize()
+        host = torch_pjrt.metrics()["bucket_host_bytes"]
+        if i >= len(lengths) - 3:
+            assert host == 0, (t, host)
+    for p, q in zip(cpu.parameters(), tpu.parameters(), strict=True):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-4)

@@ -69,6 +69,9 @@ const STATIC_SHAPES: u32 = 4;
 /// Calls reading one storage at one position that make it a persistent tensor.
 const PERSISTENT: u32 = 4;
 
+/// Consecutive training steps that see one size at a dim before it counts as fixed there.
+const STEADY: u32 = 3;
+
 /// Smallest bucket: sizes up to it share one program.
 const MIN_BUCKET: i64 = 16;
 
@@ -104,9 +107,39 @@ struct Sig {
     /// fixed head count or head size at another ([8, T, 4, 32] and [8, 4, T, T] copies),
     /// and padding those 4 heads to 16 made attention's copies 5x slower.
     dynamic: Vec<Vec<u64>>,
+    /// Per tensor position and dim, sizes seen in consecutive training steps of this
+    /// signature: size, last step, steps in a row (a few sizes). A size seen in `STEADY`
+    /// steps in a row is a call site's fixed size (a weight gradient's 384 output features) sharing the
+    /// signature with a varying one of its class (8 x 48 rows elsewhere): never padded,
+    /// so the result needs no compacting for the optimizer. A length drawn at random
+    /// rarely recurs in consecutive steps.
+    runs: Vec<Vec<Vec<(i64, u64, u32)>>>,
+    /// The training step of the signature's latest call, and of its latest call before
+    /// that step (a loop may step several optimizers: steps need not be consecutive).
+    steps: (u64, u64),
     /// A bucketed program of this signature failed to compile or lost a dynamic size:
     /// exact programs only.
     off: bool,
+}
+
+/// Counts size `n` at one dim in the signature's step `step` (`runs`: size, last step,
+/// steps in a row; `before`: the signature's step before this one); returns the steps in a
+/// row that saw it, this one included.
+fn in_a_row(runs: &mut Vec<(i64, u64, u32)>, n: i64, step: u64, before: u64) -> u32 {
+    let Some(r) = runs.iter_mut().find(|r| r.0 == n) else {
+        if runs.len() >= 16 {
+            runs.retain(|r| r.1 >= before);
+        }
+        if runs.len() < 16 {
+            runs.push((n, step, 1));
+        }
+        return 1;
+    };
+    if r.1 != step {
+        r.2 = if r.1 == before { r.2 + 1 } else { 1 };
+        r.1 = step;
+    }
+    r.2
 }
 
 /// How one call runs bucketed: for each staged tensor, each dim's bucket (None: static).
@@ -114,6 +147,9 @@ struct Sig {
 pub(crate) struct Staging {
     pub staged: HashMap<Path, Vec<Option<i64>>>,
     pub sig: Vec<u8>,
+    /// Staged tensors whose storage the signature sees at every call (a weight, a mask
+    /// buffer): the same size each time, so read in place even through a changing view.
+    pub stable: std::collections::HashSet<Path>,
 }
 
 impl Staging {
@@ -139,9 +175,9 @@ pub(crate) type NewSizes = Arc<Exact>;
 #[derive(Default)]
 pub struct Buckets {
     sigs: Mutex<HashMap<Vec<u8>, Sig>>,
-    /// Exact key -> real sizes of the op's new tensors.
-    /// And how many calls had that key.
-    sizes: Mutex<HashMap<Vec<u8>, (NewSizes, u32)>>,
+    /// Exact key -> real sizes of the op's new tensors, how many calls had that key (see
+    /// `new_sizes`) and the optimizer step of the last one counted.
+    sizes: Mutex<HashMap<Vec<u8>, (NewSizes, u32, u64)>>,
     /// Signature -> the exact shapes it has served (`STATIC_SHAPES`).
     shapes: Mutex<HashMap<Vec<u8>, u32>>,
     /// Optimizer steps ended so far (`Runtime::step_boundary`); 0 outside training.
@@ -249,12 +285,18 @@ impl Buckets {
                 .iter()
                 .map(|(_, t)| vec![0; t.view.sizes.len()])
                 .collect();
+            let runs = ts
+                .iter()
+                .map(|(_, t)| vec![Vec::new(); t.view.sizes.len()])
+                .collect();
             sigs.insert(
                 sig,
                 Sig {
                     ids,
                     seen,
                     dynamic,
+                    runs,
+                    steps: (step, step),
                     off: false,
                 },
             );
@@ -302,8 +344,25 @@ impl Buckets {
                 }
             }
         }
-        // Whether size `n` at dim `d` of tensor `i` is of a dynamic class there.
-        let varies = |i: usize, d: usize, n: i64| n > 1 && s.dynamic[i][d] & (1 << class(n)) != 0;
+        let mut steady = vec![Vec::new(); ts.len()];
+        if step > 0 {
+            if s.steps.0 != step {
+                s.steps = (step, s.steps.0);
+            }
+            let before = s.steps.1;
+            for (i, (_, t)) in ts.iter().enumerate() {
+                steady[i] = (t.view.sizes.iter().enumerate())
+                    .map(|(d, n)| in_a_row(&mut s.runs[i][d], *n, step, before) >= STEADY)
+                    .collect();
+            }
+        }
+        // Whether size `n` at dim `d` of tensor `i` is of a dynamic class there, and not
+        // fixed there in the last steps.
+        let varies = |i: usize, d: usize, n: i64| {
+            n > 1
+                && s.dynamic[i][d] & (1 << class(n)) != 0
+                && !steady[i].get(d).copied().unwrap_or(false)
+        };
         let moving = |i: usize| {
             !persistent[i] && (ts[i].1.view.sizes.iter().enumerate()).any(|(d, n)| varies(i, d, *n))
         };
@@ -313,6 +372,7 @@ impl Buckets {
         let mut staging = Staging {
             staged: HashMap::new(),
             sig,
+            stable: Default::default(),
         };
         // Duck sizing, as Dynamo's symbolic shapes: a size that is dynamic in one tensor is
         // padded wherever it appears in the call (a contraction's other operand, a broadcast
@@ -349,6 +409,9 @@ impl Buckets {
                 .collect();
             if dims.iter().any(Option::is_some) {
                 staging.staged.insert(*path, dims);
+                if persistent[i] {
+                    staging.stable.insert(*path);
+                }
             }
         }
         // Nothing to pad (the dynamic sizes are 1 here): the exact program.
@@ -360,12 +423,13 @@ impl Buckets {
         self.step.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Forgets every signature's sizes and the calls per exact shape (programs stay
-    /// cached).
+    /// Forgets every signature's sizes, the calls per exact shape and the steps counted
+    /// (programs stay cached).
     pub fn forget(&self) {
         lock(&self.sigs).clear();
         lock(&self.sizes).clear();
         lock(&self.shapes).clear();
+        self.step.store(0, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Whether a call served `calls` times at its exact shape should now get its exact
@@ -389,16 +453,24 @@ impl Buckets {
     }
 
     /// The real sizes of the new tensors of a call, computed once per exact key by lowering
-    /// it (no compilation), and how many calls (this one included) had that key. None when
-    /// the op does not lower at these shapes.
+    /// it (no compilation), and how many calls had that key, this one included, or None
+    /// when this call did not count. Once an optimizer has stepped, calls in one step count
+    /// once: a length used again and again within one training step is no static loop (its
+    /// exact program would serve one step and rarely run again). None when the op does not
+    /// lower at these shapes.
     pub(crate) fn new_sizes(
         &self,
         key: &[u8],
         f: impl FnOnce() -> Result<Option<Exact>>,
-    ) -> Result<Option<(NewSizes, u32)>> {
-        if let Some((s, n)) = lock(&self.sizes).get_mut(key) {
-            *n = n.saturating_add(1);
-            return Ok(Some((s.clone(), *n)));
+    ) -> Result<Option<(NewSizes, Option<u32>)>> {
+        let step = self.step.load(std::sync::atomic::Ordering::Relaxed);
+        if let Some((s, n, last)) = lock(&self.sizes).get_mut(key) {
+            let counts = step == 0 || *last != step;
+            if counts {
+                *n = n.saturating_add(1);
+                *last = step;
+            }
+            return Ok(Some((s.clone(), counts.then_some(*n))));
         }
         let Some(v) = f()? else { return Ok(None) };
         let v = Arc::new(v);
@@ -406,8 +478,8 @@ impl Buckets {
         if m.len() >= 1 << 16 {
             m.clear();
         }
-        m.insert(key.to_vec(), (v.clone(), 1));
-        Ok(Some((v, 1)))
+        m.insert(key.to_vec(), (v.clone(), 1, step));
+        Ok(Some((v, Some(1))))
     }
 }
 
@@ -788,6 +860,20 @@ mod tests {
     use super::*;
 
     use crate::layout::view;
+
+    #[test]
+    fn a_size_is_steady_after_consecutive_steps_of_its_signature() {
+        let mut runs = Vec::new();
+        // The signature's steps 2, 4, 6 (two optimizers a step): three in a row.
+        assert_eq!(in_a_row(&mut runs, 48, 2, 0), 1);
+        assert_eq!(in_a_row(&mut runs, 48, 2, 0), 1, "a step counts once");
+        assert_eq!(in_a_row(&mut runs, 48, 4, 2), 2);
+        assert_eq!(in_a_row(&mut runs, 40, 4, 2), 1);
+        assert_eq!(in_a_row(&mut runs, 48, 6, 4), 3);
+        // A step of the signature without it breaks the run.
+        assert_eq!(in_a_row(&mut runs, 40, 10, 8), 1);
+        assert_eq!(in_a_row(&mut runs, 48, 12, 10), 1);
+    }
 
     #[test]
     fn views_of_a_padded_storage_in_its_buffer() {

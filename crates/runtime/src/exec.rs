@@ -209,8 +209,9 @@ fn index_type(n: i64) -> DType {
 
 /// Where a bucketed program reads a staged view on the device: the buffer its storage holds
 /// (or will), as a bucketed program left it (padded) or, for a tensor whose sizes do not
-/// change (`dynamic` false), exact (the same size at every call), and the view in that
-/// buffer's terms. None: staged on the host (a view no stride reaches in the padded buffer).
+/// change (`dynamic` false: `sized_by_its_view`), exact (the same size at every call), and
+/// the view in that buffer's terms. None: staged on the host (a view no stride reaches in
+/// the padded buffer, an exact buffer whose size changes).
 fn device_source(t: &TensorRef, dynamic: bool) -> Option<(Padded, ReadView)> {
     let s = t.storage()?;
     let layout = match s.padded_layout() {
@@ -223,6 +224,19 @@ fn device_source(t: &TensorRef, dynamic: bool) -> Option<(Padded, ReadView)> {
     };
     let read = crate::buckets::read_in(&t.view, &layout)?;
     Some((layout, read))
+}
+
+/// Whether a staged tensor's storage may change size with its padded dims: one a dynamic dim
+/// steps through (a broadcast does not), unless the signature reads the same storage at
+/// every call (`Staging::stable`).
+fn sized_by_its_view(
+    st: &crate::buckets::Staging,
+    path: Path,
+    t: &TensorRef,
+    dims: &[Option<i64>],
+) -> bool {
+    !st.stable.contains(&path)
+        && (dims.iter().zip(&t.view.strides)).any(|(d, stride)| d.is_some() && *stride != 0)
 }
 
 /// A staged view as the program gathers it: its dims in the order they lie in the buffer,
@@ -502,8 +516,7 @@ pub(crate) fn key_with(
                                 }
                             }
                             // Read in the program from a device buffer, or staged on the host.
-                            let dynamic = dims.iter().any(|d| d.is_some());
-                            match device_source(t, dynamic) {
+                            match device_source(t, sized_by_its_view(st, path, t, dims)) {
                                 Some((layout, read)) => {
                                     ints(k, &layout.padded);
                                     let padded = st.padded(path, t).unwrap_or_default();
@@ -1346,8 +1359,7 @@ impl Sources for ProgramInputs<'_> {
         let padded = st.padded(path, t)?;
         let dtype = t.dtype?;
         let ty = TensorType::new(dtype, &padded);
-        let dynamic = dims.iter().any(|d| d.is_some());
-        let mut v = match device_source(t, dynamic) {
+        let mut v = match device_source(t, sized_by_its_view(st, path, t, dims)) {
             Some((layout, read)) => {
                 self.inputs.push(Input::Padded {
                     path,
@@ -1755,10 +1767,10 @@ fn bucketed(
     let Some((real, calls)) = real else {
         return Ok(None);
     };
-    if rt.buckets.exact_is_due(&st.sig, calls) {
+    if calls.is_some_and(|n| rt.buckets.exact_is_due(&st.sig, n)) {
         exact_in_background(op, overload, device, params, var, exact_key)?;
     }
-    let fresh = calls == 1;
+    let fresh = calls == Some(1);
     let padded_params = crate::buckets::pad_size_args(params, &st);
     let params = padded_params.as_deref().unwrap_or(params);
     let bk = key_with(op, overload, device, params, KeyMode::Bucket(&st));
