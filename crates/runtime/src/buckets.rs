@@ -109,10 +109,10 @@ struct Sig {
     dynamic: Vec<Vec<u64>>,
     /// Per tensor position and dim, sizes seen in consecutive training steps of this
     /// signature: size, last step, steps in a row (a few sizes). A size seen in `STEADY`
-    /// steps in a row is a call site's fixed size (a weight gradient's 384 output features) sharing the
-    /// signature with a varying one of its class (8 x 48 rows elsewhere): never padded,
-    /// so the result needs no compacting for the optimizer. A length drawn at random
-    /// rarely recurs in consecutive steps.
+    /// steps in a row is a call site's fixed size (a weight gradient's 384 output features)
+    /// sharing the signature with a varying one of its class (8 x 48 rows elsewhere): never
+    /// padded, so the result needs no compacting for the optimizer. A length drawn at
+    /// random rarely recurs in consecutive steps.
     runs: Vec<Vec<Vec<(i64, u64, u32)>>>,
     /// The training step of the signature's latest call, and of its latest call before
     /// that step (a loop may step several optimizers: steps need not be consecutive).

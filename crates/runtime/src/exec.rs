@@ -207,16 +207,26 @@ fn index_type(n: i64) -> DType {
     }
 }
 
-/// Where a bucketed program reads a staged view on the device: the buffer its storage holds
-/// (or will), as a bucketed program left it (padded) or, for a tensor whose sizes do not
-/// change (`dynamic` false: `sized_by_its_view`), exact (the same size at every call), and
-/// the view in that buffer's terms. None: staged on the host (a view no stride reaches in
-/// the padded buffer, an exact buffer whose size changes).
-fn device_source(t: &TensorRef, dynamic: bool) -> Option<(Padded, ReadView)> {
+/// Where a bucketed program reads staged tensor `path` on the device: the buffer its
+/// storage holds (or will), as a bucketed program left it (padded) or exact where that size
+/// cannot change with the padded dims (no dynamic dim steps through the storage, as in a
+/// broadcast, or the signature reads this storage at every call: `Staging::stable`), and the
+/// view in that buffer's terms. None: staged on the host (a view no stride reaches in the
+/// padded buffer, an exact buffer whose size changes).
+fn device_source(
+    st: &crate::buckets::Staging,
+    path: Path,
+    t: &TensorRef,
+) -> Option<(Padded, ReadView)> {
     let s = t.storage()?;
+    let sized_by_view = || {
+        let dims = st.staged.get(&path).map_or(&[][..], Vec::as_slice);
+        !st.stable.contains(&path)
+            && (dims.iter().zip(&t.view.strides)).any(|(d, stride)| d.is_some() && *stride != 0)
+    };
     let layout = match s.padded_layout() {
         Some((dt, p)) => (Some(dt) == t.dtype).then_some(p)?,
-        None if !dynamic => {
+        None if !sized_by_view() => {
             let size = t.dtype?.size() as i64;
             (t.nbytes % size == 0).then(|| Padded::exact(t.nbytes / size))?
         }
@@ -224,19 +234,6 @@ fn device_source(t: &TensorRef, dynamic: bool) -> Option<(Padded, ReadView)> {
     };
     let read = crate::buckets::read_in(&t.view, &layout)?;
     Some((layout, read))
-}
-
-/// Whether a staged tensor's storage may change size with its padded dims: one a dynamic dim
-/// steps through (a broadcast does not), unless the signature reads the same storage at
-/// every call (`Staging::stable`).
-fn sized_by_its_view(
-    st: &crate::buckets::Staging,
-    path: Path,
-    t: &TensorRef,
-    dims: &[Option<i64>],
-) -> bool {
-    !st.stable.contains(&path)
-        && (dims.iter().zip(&t.view.strides)).any(|(d, stride)| d.is_some() && *stride != 0)
 }
 
 /// A staged view as the program gathers it: its dims in the order they lie in the buffer,
@@ -516,7 +513,7 @@ pub(crate) fn key_with(
                                 }
                             }
                             // Read in the program from a device buffer, or staged on the host.
-                            match device_source(t, sized_by_its_view(st, path, t, dims)) {
+                            match device_source(st, path, t) {
                                 Some((layout, read)) => {
                                     ints(k, &layout.padded);
                                     let padded = st.padded(path, t).unwrap_or_default();
@@ -1359,7 +1356,7 @@ impl Sources for ProgramInputs<'_> {
         let padded = st.padded(path, t)?;
         let dtype = t.dtype?;
         let ty = TensorType::new(dtype, &padded);
-        let mut v = match device_source(t, sized_by_its_view(st, path, t, dims)) {
+        let mut v = match device_source(st, path, t) {
             Some((layout, read)) => {
                 self.inputs.push(Input::Padded {
                     path,
