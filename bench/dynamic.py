@@ -10,9 +10,11 @@ empty compilation cache, CPU eager measured alongside:
   is drawn from 16 to 256 (seeded): total time including every compilation, against CPU eager.
 
 Configurations: Strict and DeferAndFuse, each with shape buckets and with exact programs
-(DeferAndFuse with exact programs only with ``--exact-defer``: one graph per token length).
+(DeferAndFuse with exact programs only with ``--exact-defer``: one graph per token length);
+with ``--compiled``, the model's forward under ``torch.compile(backend="tpu", dynamic=True)``
+too (Strict, buckets on: new lengths on bucketed per-op programs; off: a capture per length).
 
-    python bench/dynamic.py [--tokens 128] [--steps 1000] [--runs 1]   # 0 skips a part
+    python bench/dynamic.py [--tokens 128] [--steps 1000] [--runs 1] [--compiled]  # 0 skips
 """
 
 import argparse
@@ -47,8 +49,10 @@ if where == "cpu":
                           warm=warm(lambda ids: m.generate(ids, tokens), a))))
     sys.exit()
 import torch_pjrt
-torch_pjrt.set_shape_buckets(where == "buckets")
+torch_pjrt.set_shape_buckets(where.endswith("buckets"))
 mt = Llama().eval(); mt.load_state_dict(m.state_dict()); mt = mt.to("tpu")
+if where.startswith("compiled"):
+    mt.forward = torch.compile(mt.forward, backend="tpu", dynamic=True)
 def run(ids):
     torch_pjrt.reset_metrics()
     t = time.perf_counter()
@@ -82,9 +86,11 @@ model = GPT(256, seq_len=256)
 dev = "cpu"
 if where != "cpu":
     import torch_pjrt
-    torch_pjrt.set_shape_buckets(where == "buckets")
+    torch_pjrt.set_shape_buckets(where.endswith("buckets"))
     dev = "tpu"
     model = model.to(dev)
+    if where.startswith("compiled"):
+        model.forward = torch.compile(model.forward, backend="tpu", dynamic=True)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 gen = torch.Generator().manual_seed(1)
 t0 = time.perf_counter()
@@ -130,6 +136,9 @@ def main():
                     help="also train with exact programs (one set per length: slow)")
     ap.add_argument("--exact-defer", action="store_true",
                     help="also generate in DeferAndFuse with exact programs (slow)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also with torch.compile(backend='tpu', dynamic=True) of the "
+                         "model's forward, Strict, buckets on and off")
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     print(f"# {describe()}; {args.tokens} new tokens, prompts of 16 then 23; "
@@ -138,6 +147,9 @@ def main():
                ("buckets", "DeferAndFuse")]
     if args.exact_defer:
         configs.append(("exact", "DeferAndFuse"))
+    compiled = [("compiled-buckets", "Strict"), ("compiled-exact", "Strict")]
+    if args.compiled:
+        configs += compiled
     cpu = None
     for where, mode in configs if args.tokens > 0 else ():
         rs = [worker(WORKER, here, args.tokens, where, mode) for _ in range(args.runs)]
@@ -161,6 +173,8 @@ def main():
     configs = [("cpu", "CPU eager"), ("buckets", "Strict"), ("buckets", "DeferAndFuse")]
     if args.train_exact:
         configs.append(("exact", "Strict"))
+    if args.compiled:
+        configs += compiled
     base = None
     for where, mode in configs:
         rs = [worker(TRAIN, here, args.steps, where, mode) for _ in range(args.runs)]

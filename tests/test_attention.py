@@ -150,3 +150,30 @@ def test_rms_norm_is_one_op_and_matches_cpu(dtype, weight):
     torch.testing.assert_close(xt.grad.cpu(), xc.grad, **tol)
     if weight:
         torch.testing.assert_close(wt.grad.cpu(), wc.grad, **tol)
+
+
+@pytest.mark.usefixtures("shape_buckets")
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_under_dynamic_shapes_stays_fused(causal):
+    """torch.compile(dynamic=True): symbolic lengths keep the fused entry where the shapes fit
+    for every length (the same symbol for q's and k's length). With shape buckets on, the
+    lengths after the first run the graph's ops eagerly, which the op counts show."""
+
+    def f(q, k):
+        return F.scaled_dot_product_attention(q, k, k, is_causal=causal)
+
+    cf = torch.compile(f, backend="tpu", dynamic=True)
+    torch_pjrt.reset_metrics()
+    for t in (5, 6, 7):
+        gen = torch.Generator().manual_seed(t)
+        q, k = (torch.randn(2, 4, t, 8, generator=gen) for _ in range(2))
+        qt, kt = (x.to("tpu").requires_grad_() for x in (q, k))
+        qc, kc = (x.clone().requires_grad_() for x in (q, k))
+        out, want = cf(qt, kt), f(qc, kc)
+        torch.testing.assert_close(out.cpu(), want.detach())
+        out.sum().backward()
+        want.sum().backward()
+        torch.testing.assert_close(qt.grad.cpu(), qc.grad)
+        torch.testing.assert_close(kt.grad.cpu(), kc.grad)
+    assert torch_pjrt.metrics()["compile"]["bucketed_graph_calls"] == 4
+    assert _calls(FUSED) >= 2 and _calls("aten::isneginf") == 0

@@ -655,9 +655,9 @@ LENGTHS = [5, 9, 17, 33, 12, 7, 9, 33, 5]
 
 @pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
 def test_dynamic_sequence_length(how, record_property):
-    """One Dynamo graph for every sequence length (dynamic=True / mark_dynamic). The backend
-    does not pad to buckets (the causal attention and the mean loss would see the padding):
-    it captures and compiles each distinct length once, forward and backward, and replays
+    """One Dynamo graph for every sequence length (dynamic=True / mark_dynamic). With shape
+    buckets off (tests/test_dynamic.py has them on), the backend captures and compiles each
+    distinct length once, forward and backward, and replays
     repeated lengths; results are those of CPU eager for every length."""
     torch.manual_seed(0)
     cpu_model = models.GPT(VOCAB, d_model=32, n_heads=2, n_layers=2, seq_len=64)

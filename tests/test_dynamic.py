@@ -386,3 +386,94 @@ def test_a_fixed_size_that_shares_a_bucket_with_a_length_is_not_padded():
             assert host == 0, (t, host)
     for p, q in zip(cpu.parameters(), tpu.parameters(), strict=True):
         torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=1e-5, rtol=1e-4)
+
+
+def _compile_counters():
+    return torch_pjrt.metrics()["compile"]
+
+
+def test_compiled_dynamic_lengths_run_on_bucketed_ops():
+    """torch.compile(dynamic=True): a graph is captured at its first length; other lengths
+    run its ATen ops eagerly on bucketed per-op programs (a capture per length compiled a
+    whole forward and backward each), with the CPU's results, and lengths inside buckets
+    the graph has seen build nothing."""
+    from models import GPT
+
+    torch.manual_seed(0)
+    cpu = GPT(64, seq_len=64)
+    tpu = GPT(64, seq_len=64)
+    tpu.load_state_dict(cpu.state_dict())
+    tpu = tpu.to("tpu")
+    compiled = torch.compile(tpu, backend="tpu", dynamic=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (cpu, tpu)]
+    gen = torch.Generator().manual_seed(1)
+    reset()
+
+    def step(t):
+        x = torch.randint(0, 64, (4, t), generator=gen)
+        y = torch.randint(0, 64, (4, t), generator=gen)
+        losses = []
+        for m, opt, dev in ((cpu, opts[0], "cpu"), (compiled, opts[1], "tpu")):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x.to(dev)).flatten(0, 1), y.to(dev).flatten())
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=2e-4, abs=2e-5), (t, losses)
+
+    for t in (20, 27, 33, 41, 18, 50, 29, 36):  # buckets 32 and 64, two sizes each
+        step(t)
+    c = _compile_counters()
+    assert c["dynamo_graphs"] == 1 and c["compiled_graphs"] == 2, c  # forward, backward
+    assert c["bucketed_graph_calls"] == 2 * 7, c
+    reset()
+    for t in (22, 45, 25, 38):
+        step(t)
+    m = torch_pjrt.metrics()
+    assert sum(p[0] for p in m["programs"].values()) == 0, m["programs"]
+    assert m["compile"].get("compiled_graphs", 0) == 0 and m["new_shapes_served"] > 0, m
+    for p, q in zip(cpu.parameters(), tpu.parameters(), strict=True):
+        torch.testing.assert_close(q.detach().cpu(), p.detach(), atol=2e-4, rtol=2e-3)
+
+
+def test_a_recurring_length_of_a_compiled_graph_is_captured():
+    """A length that keeps coming back (a last partial batch) gets its own fused program
+    after four bucketed calls."""
+
+    def f(x):
+        return (x * 2).softmax(-1).sum(0)
+
+    cf = torch.compile(f, backend="tpu", dynamic=True)
+    reset()
+    for n, calls in ((20, 1), (24, 6)):
+        for _ in range(calls):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(cf(x.to("tpu")).cpu(), f(x))
+    c = _compile_counters()
+    assert c["compiled_graphs"] == 2 and c["bucketed_graph_calls"] == 4, c
+    assert c["recompilations_new_shape"] == 1, c
+
+
+def test_compiled_generation_with_a_growing_cache_matches_cpu():
+    """A compiled forward (dynamic=True) over a growing cache: the CPU's tokens, one capture
+    per Dynamo graph (prefill, decode), not one per token."""
+    from models import Llama
+
+    torch.manual_seed(0)
+    m = Llama().eval()
+    mt = Llama().eval()
+    mt.load_state_dict(m.state_dict())
+    mt = mt.to("tpu")
+    fwd = torch.compile(mt.forward, backend="tpu", dynamic=True)
+    ids = torch.randint(0, 256, (1, 16))
+    reset()
+    with torch.no_grad():
+        logits, cache = fwd(ids.to("tpu"))
+        out = [ids.to("tpu")]
+        for _ in range(24):
+            nxt = logits[:, -1:].argmax(-1)
+            out.append(nxt)
+            logits, cache = fwd(nxt, cache)
+    assert torch.equal(torch.cat(out, 1).cpu(), m.generate(ids, 24))
+    c = _compile_counters()
+    assert c["compiled_graphs"] <= 3 and c["bucketed_graph_calls"] >= 20, c

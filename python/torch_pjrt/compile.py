@@ -9,13 +9,16 @@ capture is interrupted (an op without a lowering falls back to the CPU, a value 
 the host) runs eagerly on tpu every call instead, and is counted in ``metrics()``.
 
 Dynamic shapes (``dynamic=True``, ``torch._dynamo.mark_dynamic``): Dynamo traces one symbolic
-graph for every length, and this backend keeps one program per graph *and concrete input
-layout*: each distinct length is captured and compiled once (forward and backward graphs
-separately), later calls with that length replay it. Inputs are not padded to buckets: the
-backend sees an arbitrary ATen graph and cannot tell whether padding a dimension changes
-its results (reductions or normalization over it, non-causal attention, mean losses,
-positional tables indexed by ``arange(T)``), so results stay exactly those of the
-unpadded call at the price of one compilation per distinct length. At most
+graph for every length. This backend captures it at its first concrete input layout. With
+shape buckets off (the default), each distinct length is captured and compiled once (forward
+and backward graphs separately) and later calls with that length replay it: the capture
+cannot pad, since the backend sees an arbitrary ATen graph (reductions or normalization over
+a padded dim, non-causal attention, mean losses). With shape buckets on
+(``torch_pjrt.set_shape_buckets(True)``), a new shape of a graph captured before runs the
+graph's ATen ops eagerly (counted as ``bucketed_graph_calls``), so each op's bucketed program
+serves it, whose masking XLA's padder makes exact; a shape that comes back four times while
+the graph holds fewer than four programs is captured (a last partial batch), and Rust decides
+which (``compiled.rs``, ``Graph::miss``). At most
 ``options={"max_programs": N}`` programs (default 16) are kept per graph; the least recently
 used beyond that is freed and, if its length comes back, captured again (its XLA compilation
 then usually comes from the disk cache). ``torch._dynamo.reset()`` and garbage collection of
@@ -78,7 +81,7 @@ def _is_tpu(t):
 _LIVE = weakref.WeakSet()
 
 # What torch_pjrt::replay returns instead of a program id when nothing ran.
-_MISSED, _EAGER, _UNKEYABLE = -1, -2, -3
+_MISSED, _EAGER, _UNKEYABLE, _BUCKETED = -1, -2, -3, -4
 
 
 def _reset():
@@ -189,6 +192,9 @@ class _Graph:
             return _rebuild(self.specs[pid], outs, tensors)
         if pid == _EAGER:
             counters["eager_graph_calls"] += 1
+            return self.gm(*args)
+        if pid == _BUCKETED:
+            counters["bucketed_graph_calls"] += 1
             return self.gm(*args)
         if pid == _UNKEYABLE:
             counters["eager_graphs"] += 1

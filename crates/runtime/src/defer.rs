@@ -464,10 +464,11 @@ impl Runtime {
         if let Some(f) = lock(&self.defer.fragments).get(&k) {
             return Ok(Frag::Found(f.clone()));
         }
-        if !self.defer.capturing(device) {
-            if let Some(st) = self.buckets.observe(op, overload, device, params, var) {
-                return Ok(Frag::Dynamic(st));
-            }
+        // A capture records exact fragments, but its shapes count as seen: a compiled graph's
+        // next shape runs its ops eagerly on bucketed programs (`compiled.rs`, `Slot::Bucketed`).
+        let dynamic = self.buckets.observe(op, overload, device, params, var);
+        if let (Some(st), false) = (dynamic, self.defer.capturing(device)) {
+            return Ok(Frag::Dynamic(st));
         }
         let p = match plan(op, overload, device, params, var)? {
             Plan::Done(p) => p,

@@ -1383,7 +1383,10 @@ void register_boxed_locked(const std::string& full) {
 // scaled_dot_product_attention asks each device which kernel to run. Rust decides whether
 // the fused entry (one op, lowered with its backward) fits; otherwise PyTorch's math path
 // runs (and raises its own errors). Fake tensors reach here under torch.compile: only
-// dtypes and sizes are read, and symbolic sizes keep the math path.
+// dtypes and sizes are read. A symbolic size (dynamic=True) goes as a negative id, one per
+// expression, so Rust sees equal what is equal for every length (duck sizing gives equal
+// input sizes one symbol); other symbolic sizes compare unequal (the math path). No guard
+// is added: the choice holds for every length the graph serves.
 int64_t tpu_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const std::optional<at::Tensor>& mask, double dropout, bool /*is_causal*/,
                        std::optional<double> /*scale*/, bool enable_gqa) {
@@ -1391,22 +1394,30 @@ int64_t tpu_sdp_choice(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   const auto math = static_cast<int64_t>(ctx.userEnabledMathSDP() ? at::SDPBackend::math : at::SDPBackend::error);
   if (!ctx.userEnabledOverrideableSDP()) return math;
   std::vector<std::vector<int64_t>> sizes;
+  std::vector<std::string> symbols;
   auto meta = [&](const at::Tensor& t, TpuTensor& d) {
     std::vector<int64_t> s;
     for (const c10::SymInt& n : t.sym_sizes()) {
-      auto i = n.maybe_as_int();
-      if (!i) return false;
-      s.push_back(*i);
+      if (auto i = n.maybe_as_int()) {
+        s.push_back(*i);
+        continue;
+      }
+      const std::string expr = n.toSymNodeImplUnowned()->str();
+      auto at = std::find(symbols.begin(), symbols.end(), expr);
+      if (at == symbols.end()) at = symbols.insert(symbols.end(), expr);
+      s.push_back(-2 - static_cast<int64_t>(at - symbols.begin()));
     }
     sizes.push_back(std::move(s));
     std::memset(&d, 0, sizeof d);
     d.dtype = static_cast<int32_t>(t.scalar_type());
     d.ndim = static_cast<int32_t>(t.dim());
-    return true;
   };
   TpuTensor d[4];
   const bool has_mask = mask.has_value() && mask->defined();
-  if (!meta(q, d[0]) || !meta(k, d[1]) || !meta(v, d[2]) || (has_mask && !meta(*mask, d[3]))) return math;
+  meta(q, d[0]);
+  meta(k, d[1]);
+  meta(v, d[2]);
+  if (has_mask) meta(*mask, d[3]);
   for (size_t i = 0; i < sizes.size(); ++i) d[i].sizes = sizes[i].data();
   const bool fused = tpu_rs_sdpa_fused(&d[0], &d[1], &d[2], has_mask ? &d[3] : nullptr, dropout, enable_gqa) != 0;
   return fused ? static_cast<int64_t>(at::SDPBackend::overrideable) : math;

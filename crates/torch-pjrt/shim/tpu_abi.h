@@ -131,7 +131,8 @@ int32_t tpu_rs_dispatch(const char* op_name, const char* overload, int32_t nargs
 // Compiled graphs (torch.compile): `key` describes a graph call's inputs (see replay_key
 // in shim.cpp), `inputs` are their storage handles. Replay runs the program the graph has
 // for the key and returns its outputs as new tensors, with its id in `program`: TPU_OK
-// (`program` is -2 when the graph runs eagerly for this key: nothing ran), TPU_DECLINED
+// (`program` is -2 when the graph runs eagerly for this key, -4 when it runs eagerly on
+// bucketed per-op programs: nothing ran), TPU_DECLINED
 // (nothing for this key yet; Rust keeps it for the bind after the capture), TPU_NEED_RESIZE
 // (more than max_rets outputs: nrets says how many, nothing ran) or TPU_ERROR.
 int32_t tpu_rs_graph_replay(int64_t graph, const int64_t* key, int64_t nkey, void* const* inputs, int64_t ninputs,

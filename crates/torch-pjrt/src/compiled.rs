@@ -59,7 +59,19 @@ enum Slot {
     Program(usize),
     /// The capture broke (an op fell back, a value was read): the graph runs eagerly.
     Eager,
+    /// A new shape of a graph captured at another one, with shape buckets on: the graph runs
+    /// eagerly, its ops on bucketed per-op programs, after this many calls (see `Graph::miss`).
+    Bucketed(u32),
 }
+
+/// Calls of a bucketed key after which it is captured, if the graph holds fewer than
+/// `STATIC_SHAPES` programs: a shape that recurs (a last partial batch) gets its fused
+/// program; one of many lengths (a growing cache, varying batches) stays on bucketed ops.
+const HOT_CALLS: u32 = 4;
+const STATIC_SHAPES: usize = 4;
+/// Bucketed keys a graph remembers; beyond, the least recently used are forgotten (they
+/// cost nothing to rebuild).
+const BUCKETED_KEYS: usize = 4096;
 
 /// One compiled graph (compile.py's `_Graph`): what each input key runs, least recently
 /// used first when there are more than `max_programs`.
@@ -93,9 +105,68 @@ impl Graph {
         if let Some(i) = self.dropped.iter().position(|(k, _)| k == key) {
             return self.dropped.remove(i).map(|(_, why)| why);
         }
+        Some(if self.has_shapes(key) {
+            "new_layout"
+        } else {
+            "new_shape"
+        })
+    }
+
+    /// Another key with the shapes of `key` runs a program or eagerly (a capture was tried).
+    fn has_shapes(&self, key: &[i64]) -> bool {
         let shapes = Self::shapes(key);
-        let same = self.slots.keys().any(|k| Self::shapes(k) == shapes);
-        Some(if same { "new_layout" } else { "new_shape" })
+        self.slots.iter().any(|(k, (s, _))| {
+            k.as_slice() != key && !matches!(s, Slot::Bucketed(_)) && Self::shapes(k) == shapes
+        })
+    }
+
+    fn programs(&self) -> usize {
+        self.slots
+            .values()
+            .filter(|(s, _)| matches!(s, Slot::Program(_)))
+            .count()
+    }
+
+    /// What a replay that found no program for `key` does: with shape buckets on, a new shape
+    /// of a graph captured before runs eagerly, so its ops' bucketed programs serve it (a
+    /// capture per length compiled a whole graph per token of a growing cache); a recurring
+    /// bucketed key is captured after `HOT_CALLS`. Returns whether the call runs bucketed.
+    fn miss(&mut self, key: &[i64]) -> bool {
+        let now = self.clock;
+        let full = self.programs() >= STATIC_SHAPES;
+        if let Some((Slot::Bucketed(n), used)) = self.slots.get_mut(key) {
+            *used = now;
+            if *n < HOT_CALLS || full {
+                *n = n.saturating_add(1);
+                return true;
+            }
+            return false;
+        }
+        let dropped = self.dropped.iter().any(|(k, _)| k == key);
+        if !runtime::buckets::enabled() || self.captures == 0 || dropped || self.has_shapes(key) {
+            return false;
+        }
+        let bucketed = |s: &Slot| matches!(s, Slot::Bucketed(_));
+        if self.slots.values().filter(|(s, _)| bucketed(s)).count() >= BUCKETED_KEYS {
+            let old: Vec<Vec<i64>> = {
+                let mut b: Vec<(&Vec<i64>, u64)> = self
+                    .slots
+                    .iter()
+                    .filter(|(_, (s, _))| bucketed(s))
+                    .map(|(k, (_, u))| (k, *u))
+                    .collect();
+                b.sort_unstable_by_key(|(_, u)| *u);
+                b.iter()
+                    .take(BUCKETED_KEYS / 2)
+                    .map(|(k, _)| (*k).clone())
+                    .collect()
+            };
+            for k in old {
+                self.slots.remove(&k);
+            }
+        }
+        self.slots.insert(key.to_vec(), (Slot::Bucketed(1), now));
+        true
     }
 
     fn forget(&mut self, key: Vec<i64>, why: &'static str) {
@@ -112,10 +183,12 @@ impl Graph {
         let Some(max) = self.max_programs else {
             return out;
         };
-        while self.slots.len() > max {
+        let held = |s: &Slot| !matches!(s, Slot::Bucketed(_));
+        while self.slots.values().filter(|(s, _)| held(s)).count() > max {
             let Some(key) = self
                 .slots
                 .iter()
+                .filter(|(_, (s, _))| held(s))
                 .min_by_key(|(_, (_, used))| *used)
                 .map(|(k, _)| k.clone())
             else {
@@ -360,7 +433,7 @@ fn graph_bind(
         .iter()
         .filter_map(|s| match s {
             Slot::Program(p) => Some(*p),
-            Slot::Eager => None,
+            Slot::Eager | Slot::Bucketed(_) => None,
         })
         .collect();
     free(py, &ids);
@@ -380,8 +453,10 @@ fn graph_release(py: Python<'_>, graph: i64, forget: bool) -> Vec<usize> {
         if forget {
             all.remove(&graph);
         } else {
-            for (k, _) in &slots {
-                t.forget(k.clone(), "released");
+            for (k, s) in &slots {
+                if !matches!(s, Slot::Bucketed(_)) {
+                    t.forget(k.clone(), "released");
+                }
             }
         }
         slots
@@ -390,7 +465,7 @@ fn graph_release(py: Python<'_>, graph: i64, forget: bool) -> Vec<usize> {
         .iter()
         .filter_map(|(_, s)| match s {
             Slot::Program(p) => Some(*p),
-            Slot::Eager => None,
+            Slot::Eager | Slot::Bucketed(_) => None,
         })
         .collect();
     free(py, &ids);
@@ -412,6 +487,8 @@ fn take_outputs(id: usize, outs: Vec<usize>) -> PyResult<()> {
 
 /// What `program` holds when the graph runs eagerly for this key (nothing ran).
 const EAGER: i64 = -2;
+/// Same, on bucketed per-op programs (`Slot::Bucketed`).
+const BUCKETED: i64 = -4;
 
 /// `torch_pjrt::replay`'s work: runs the program `graph` has for `key` on `inputs` and
 /// fills `rets` with its outputs as new storages. DECLINED when it has none (the key is
@@ -442,22 +519,30 @@ pub unsafe extern "C" fn tpu_rs_graph_replay(
             t.and_then(|t| {
                 t.clock += 1;
                 let now = t.clock;
-                let (slot, used) = t.slots.get_mut(key)?;
-                *used = now;
-                Some(*slot)
+                let held = t.slots.get_mut(key);
+                if let Some((slot, used)) = held.filter(|(s, _)| !matches!(s, Slot::Bucketed(_))) {
+                    *used = now;
+                    return Some(*slot);
+                }
+                t.miss(key).then_some(Slot::Bucketed(0))
             })
         };
+        let eager = match slot {
+            Some(Slot::Eager) => EAGER,
+            Some(Slot::Bucketed(_)) => BUCKETED,
+            _ => 0,
+        };
+        if eager != 0 {
+            // SAFETY: nrets and program are valid per the ABI.
+            unsafe {
+                *nrets = 0;
+                *program = eager;
+            }
+            return Ok(OK);
+        }
         let e = match slot {
             Some(Slot::Program(id)) => programs().get(&id).cloned().map(|e| (id, e)),
-            Some(Slot::Eager) => {
-                // SAFETY: nrets and program are valid per the ABI.
-                unsafe {
-                    *nrets = 0;
-                    *program = EAGER;
-                }
-                return Ok(OK);
-            }
-            None => None,
+            _ => None,
         };
         let Some((id, e)) = e else {
             MISSED.with(|m| m.borrow_mut().insert(graph, key.to_vec()));

@@ -5,7 +5,6 @@
 use super::nn_common::*;
 use super::opmath;
 use crate::promote::torch_name;
-use crate::shape::numel;
 use crate::{
     decline, user_err, Builder, Ctx, DType, ErrorKind, LResult, Out, Rule, TensorArg, Value,
 };
@@ -54,15 +53,19 @@ fn mask_broadcasts(m: &[i64], scores: [i64; 4]) -> bool {
 
 /// Whether batch, head and length counts of [B, H, L, E] operands fit attention (`rep`
 /// query heads per key/value head), nothing empty.
+/// A negative size is a symbolic one (torch.compile's dynamic shapes, see `sdpa_fused_ok`).
 fn heads_fit(qs: &[i64], ks: &[i64], vs: &[i64]) -> bool {
+    let grouped = if qs[1] < 0 || ks[1] < 0 {
+        qs[1] == ks[1]
+    } else {
+        ks[1] != 0 && qs[1] % ks[1] == 0
+    };
     ks[0] == qs[0]
         && vs[0] == qs[0]
         && ks[1] == vs[1]
         && ks[2] == vs[2]
-        && ks[1] != 0
-        && qs[1] % ks[1] == 0
-        && numel(qs) != 0
-        && numel(ks) != 0
+        && grouped
+        && [qs, ks].iter().all(|s| !s.contains(&0))
 }
 
 /// Whether `scaled_dot_product_attention` runs its fused entry
@@ -70,7 +73,8 @@ fn heads_fit(qs: &[i64], ks: &[i64], vs: &[i64]) -> bool {
 /// these operands, rather than its math decomposition (nine ops): float32 or half 4-d
 /// operands of one dtype and head size, matching batch and head counts (grouped heads only
 /// under `enable_gqa`), no dropout, and a mask that is boolean or of the query's dtype and
-/// broadcasts to the scores. Anything else keeps PyTorch's math path and its errors.
+/// broadcasts to the scores. Anything else keeps PyTorch's math path and its errors. Under
+/// torch.compile's dynamic shapes a symbolic size is a negative id, equal ids equal sizes.
 pub fn sdpa_fused_ok(
     q: (DType, &[i64]),
     k: (DType, &[i64]),
