@@ -393,3 +393,11 @@ def shape_buckets():
     was = torch_pjrt.set_shape_buckets(True)
     yield
     torch_pjrt.set_shape_buckets(was)
+
+
+@pytest.fixture
+def exact_shapes():
+    """Shape buckets off for one test: what it checks is one program per exact shape."""
+    was = torch_pjrt.set_shape_buckets(False)
+    yield
+    torch_pjrt.set_shape_buckets(was)

@@ -654,6 +654,7 @@ LENGTHS = [5, 9, 17, 33, 12, 7, 9, 33, 5]
 
 
 @pytest.mark.parametrize("how", ["dynamic", "mark_dynamic"])
+@pytest.mark.usefixtures("exact_shapes")
 def test_dynamic_sequence_length(how, record_property):
     """One Dynamo graph for every sequence length (dynamic=True / mark_dynamic). With shape
     buckets off (tests/test_dynamic.py has them on), the backend captures and compiles each
@@ -696,6 +697,7 @@ def test_dynamic_sequence_length(how, record_property):
     assert not c.get("graph_breaks", 0), c
 
 
+@pytest.mark.usefixtures("exact_shapes")
 def test_max_programs_evicts_least_recently_used(mode):
     """options={"max_programs": 2}: a third length frees the least recently used program;
     a freed length is captured again (counted by reason) and still right."""
@@ -760,6 +762,7 @@ def test_replay_many_outputs(mode):
     assert compile_counters()["compiled_graphs"] == 1
 
 
+@pytest.mark.usefixtures("exact_shapes")
 def test_replay_keys_python_values():
     """Python ints among a graph's arguments (sizes under dynamic=True) are part of its key:
     one Dynamo graph, one program per value, equal values replay."""
@@ -782,6 +785,7 @@ def program_loads():
     return m["compilations"] + m.get("disk_hits", 0)
 
 
+@pytest.mark.usefixtures("exact_shapes")
 def test_reset_releases_programs(mode):
     """torch._dynamo.reset() frees every compiled program (executable and constants): the
     count of live programs drops back, and the same graph compiled again must load its
@@ -822,6 +826,7 @@ def test_reset_releases_programs(mode):
     assert live_programs() - live0 == 2
 
 
+@pytest.mark.usefixtures("exact_shapes")
 def test_garbage_collected_graph_releases_programs():
     """A compiled graph nobody refers to any more frees its programs."""
     import gc

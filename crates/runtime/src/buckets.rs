@@ -95,25 +95,9 @@ struct Sig {
     /// four biases) but never past its step, so once steps are counted, persistent also
     /// means read in a later step than the first.
     ids: Vec<HashMap<u64, (u32, u64)>>,
-    /// Per tensor position and dim, the distinct sizes seen (the first few), from tensors
-    /// that are not persistent.
-    seen: Vec<Vec<Vec<i64>>>,
-    /// Per tensor position and dim, the size classes (bit `class(n)`) that are dynamic
-    /// there: two different sizes of one class were seen, so a bucket serves sizes that
-    /// otherwise compile apart. Sizes of different classes are no reason (a static model's
-    /// layers: 64, 128, 256 channels or 16, 8, 4 pixels; 4 query and 2 key/value heads),
-    /// and neither is a change in layout alone. Only a size of a dynamic class is padded:
-    /// one signature serves call sites whose dims hold a varying length at one site and a
-    /// fixed head count or head size at another ([8, T, 4, 32] and [8, 4, T, T] copies),
-    /// and padding those 4 heads to 16 made attention's copies 5x slower.
-    dynamic: Vec<Vec<u64>>,
-    /// Per tensor position and dim, sizes seen in consecutive training steps of this
-    /// signature: size, last step, steps in a row (a few sizes). A size seen in `STEADY`
-    /// steps in a row is a call site's fixed size (a weight gradient's 384 output features)
-    /// sharing the signature with a varying one of its class (8 x 48 rows elsewhere): never
-    /// padded, so the result needs no compacting for the optimizer. A length drawn at
-    /// random rarely recurs in consecutive steps.
-    runs: Vec<Vec<Vec<(i64, u64, u32)>>>,
+    /// Per tensor position and dim, what its sizes did (from tensors that are not
+    /// persistent).
+    dims: Vec<Vec<DimHistory>>,
     /// The training step of the signature's latest call, and of its latest call before
     /// that step (a loop may step several optimizers: steps need not be consecutive).
     steps: (u64, u64),
@@ -122,24 +106,73 @@ struct Sig {
     off: bool,
 }
 
-/// Counts size `n` at one dim in the signature's step `step` (`runs`: size, last step,
-/// steps in a row; `before`: the signature's step before this one); returns the steps in a
-/// row that saw it, this one included.
-fn in_a_row(runs: &mut Vec<(i64, u64, u32)>, n: i64, step: u64, before: u64) -> u32 {
-    let Some(r) = runs.iter_mut().find(|r| r.0 == n) else {
-        if runs.len() >= 16 {
-            runs.retain(|r| r.1 >= before);
+/// The sizes one dim of one tensor position of a signature has taken.
+#[derive(Default)]
+struct DimHistory {
+    /// The distinct sizes seen (the first few).
+    seen: Vec<i64>,
+    /// The size classes (bit `class(n)`) that are dynamic here: two different sizes of one
+    /// class were seen, so a bucket serves sizes that otherwise compile apart. Sizes of
+    /// different classes are no reason (a static model's layers: 64, 128, 256 channels or
+    /// 16, 8, 4 pixels; 4 query and 2 key/value heads), and neither is a change in layout
+    /// alone. Only a size of a dynamic class is padded: one signature serves call sites
+    /// whose dims hold a varying length at one site and a fixed head count or head size at
+    /// another ([8, T, 4, 32] and [8, 4, T, T] copies), and padding those 4 heads to 16 made
+    /// attention's copies 5x slower.
+    dynamic: u64,
+    /// Sizes seen in consecutive training steps of the signature: size, last step, steps in
+    /// a row (a few sizes). A size seen in `STEADY` steps in a row is a call site's fixed
+    /// size (a weight gradient's 384 output features) sharing the signature with a varying
+    /// one of its class (8 x 48 rows elsewhere): never padded, so the result needs no
+    /// compacting for the optimizer. A length drawn at random rarely recurs in consecutive
+    /// steps.
+    runs: Vec<(i64, u64, u32)>,
+}
+
+impl DimHistory {
+    /// Notes size `n` (> 1): its class becomes dynamic at a second size of the class, or
+    /// at first sight past every size seen where a class is dynamic already (growth: a
+    /// longer cache, a longer batch).
+    fn note(&mut self, n: i64) {
+        let bit = 1u64 << class(n);
+        if self.seen.contains(&n) || self.dynamic & bit != 0 {
+            return;
         }
-        if runs.len() < 16 {
-            runs.push((n, step, 1));
+        let dy = self.dynamic;
+        let grows = dy != 0 && {
+            let top = self.seen.iter().map(|m| class(*m)).max().unwrap_or(0);
+            class(n) > top.max(63 - dy.leading_zeros() as u8)
+        };
+        if grows || self.seen.iter().any(|m| class(*m) == class(n)) {
+            self.dynamic |= bit;
+        } else if self.seen.len() < 16 {
+            self.seen.push(n);
         }
-        return 1;
-    };
-    if r.1 != step {
-        r.2 = if r.1 == before { r.2 + 1 } else { 1 };
-        r.1 = step;
     }
-    r.2
+
+    fn varies(&self, n: i64) -> bool {
+        n > 1 && self.dynamic & (1 << class(n)) != 0
+    }
+
+    /// Counts size `n` in the signature's step `step` (`before`: the signature's step
+    /// before this one); returns the steps in a row that saw it, this one included.
+    fn in_a_row(&mut self, n: i64, step: u64, before: u64) -> u32 {
+        let runs = &mut self.runs;
+        let Some(r) = runs.iter_mut().find(|r| r.0 == n) else {
+            if runs.len() >= 16 {
+                runs.retain(|r| r.1 >= before);
+            }
+            if runs.len() < 16 {
+                runs.push((n, step, 1));
+            }
+            return 1;
+        };
+        if r.1 != step {
+            r.2 = if r.1 == before { r.2 + 1 } else { 1 };
+            r.1 = step;
+        }
+        r.2
+    }
 }
 
 /// How one call runs bucketed: for each staged tensor, each dim's bucket (None: static).
@@ -277,25 +310,22 @@ impl Buckets {
                 .iter()
                 .map(|(_, t)| t.storage().map(|s| (s.id, (1, step))).into_iter().collect())
                 .collect();
-            let seen = ts
+            let dims = ts
                 .iter()
-                .map(|(_, t)| t.view.sizes.iter().map(|n| vec![*n]).collect())
-                .collect();
-            let dynamic = ts
-                .iter()
-                .map(|(_, t)| vec![0; t.view.sizes.len()])
-                .collect();
-            let runs = ts
-                .iter()
-                .map(|(_, t)| vec![Vec::new(); t.view.sizes.len()])
+                .map(|(_, t)| {
+                    (t.view.sizes.iter())
+                        .map(|n| DimHistory {
+                            seen: vec![*n],
+                            ..Default::default()
+                        })
+                        .collect()
+                })
                 .collect();
             sigs.insert(
                 sig,
                 Sig {
                     ids,
-                    seen,
-                    dynamic,
-                    runs,
+                    dims,
                     steps: (step, step),
                     off: false,
                 },
@@ -322,25 +352,8 @@ impl Buckets {
                 continue;
             }
             for (d, n) in t.view.sizes.iter().enumerate() {
-                if *n <= 1 {
-                    continue;
-                }
-                let seen = &mut s.seen[i][d];
-                let bit = 1u64 << class(*n);
-                if seen.contains(n) || s.dynamic[i][d] & bit != 0 {
-                    continue;
-                }
-                // Past every size seen at a dim that varies already: growth (a longer
-                // cache, a longer batch), bucketed at first sight.
-                let dy = s.dynamic[i][d];
-                let grows = dy != 0 && {
-                    let top = seen.iter().map(|m| class(*m)).max().unwrap_or(0);
-                    class(*n) > top.max(63 - dy.leading_zeros() as u8)
-                };
-                if grows || seen.iter().any(|m| class(*m) == class(*n)) {
-                    s.dynamic[i][d] |= bit;
-                } else if seen.len() < 16 {
-                    seen.push(*n);
+                if *n > 1 {
+                    s.dims[i][d].note(*n);
                 }
             }
         }
@@ -352,16 +365,14 @@ impl Buckets {
             let before = s.steps.1;
             for (i, (_, t)) in ts.iter().enumerate() {
                 steady[i] = (t.view.sizes.iter().enumerate())
-                    .map(|(d, n)| in_a_row(&mut s.runs[i][d], *n, step, before) >= STEADY)
+                    .map(|(d, n)| s.dims[i][d].in_a_row(*n, step, before) >= STEADY)
                     .collect();
             }
         }
         // Whether size `n` at dim `d` of tensor `i` is of a dynamic class there, and not
         // fixed there in the last steps.
         let varies = |i: usize, d: usize, n: i64| {
-            n > 1
-                && s.dynamic[i][d] & (1 << class(n)) != 0
-                && !steady[i].get(d).copied().unwrap_or(false)
+            s.dims[i][d].varies(n) && !steady[i].get(d).copied().unwrap_or(false)
         };
         let moving = |i: usize| {
             !persistent[i] && (ts[i].1.view.sizes.iter().enumerate()).any(|(d, n)| varies(i, d, *n))
@@ -863,16 +874,32 @@ mod tests {
 
     #[test]
     fn a_size_is_steady_after_consecutive_steps_of_its_signature() {
-        let mut runs = Vec::new();
+        let mut h = DimHistory::default();
         // The signature's steps 2, 4, 6 (two optimizers a step): three in a row.
-        assert_eq!(in_a_row(&mut runs, 48, 2, 0), 1);
-        assert_eq!(in_a_row(&mut runs, 48, 2, 0), 1, "a step counts once");
-        assert_eq!(in_a_row(&mut runs, 48, 4, 2), 2);
-        assert_eq!(in_a_row(&mut runs, 40, 4, 2), 1);
-        assert_eq!(in_a_row(&mut runs, 48, 6, 4), 3);
+        assert_eq!(h.in_a_row(48, 2, 0), 1);
+        assert_eq!(h.in_a_row(48, 2, 0), 1, "a step counts once");
+        assert_eq!(h.in_a_row(48, 4, 2), 2);
+        assert_eq!(h.in_a_row(40, 4, 2), 1);
+        assert_eq!(h.in_a_row(48, 6, 4), 3);
         // A step of the signature without it breaks the run.
-        assert_eq!(in_a_row(&mut runs, 40, 10, 8), 1);
-        assert_eq!(in_a_row(&mut runs, 48, 12, 10), 1);
+        assert_eq!(h.in_a_row(40, 10, 8), 1);
+        assert_eq!(h.in_a_row(48, 12, 10), 1);
+    }
+
+    #[test]
+    fn a_class_is_dynamic_at_its_second_size_or_by_growth() {
+        let mut h = DimHistory::default();
+        h.note(64);
+        h.note(128);
+        assert!(
+            !h.varies(64) && !h.varies(128),
+            "sizes of other classes: call sites"
+        );
+        h.note(100);
+        assert!(h.varies(100) && h.varies(128) && !h.varies(64));
+        // Past every size seen where a class varies: a longer cache, at first sight.
+        h.note(300);
+        assert!(h.varies(300) && !h.varies(1));
     }
 
     #[test]
