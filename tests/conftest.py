@@ -387,17 +387,19 @@ def pytest_terminal_summary(terminalreporter):
     w.line(f"recorded in {OPINFO_JSON} (python -m torch_pjrt.coverage)")
 
 
+def _buckets(on):
+    was = torch_pjrt.set_shape_buckets(on)
+    yield
+    torch_pjrt.set_shape_buckets(was)
+
+
 @pytest.fixture
 def shape_buckets():
     """Shape buckets on for one test (torch_pjrt.set_shape_buckets), the previous state after."""
-    was = torch_pjrt.set_shape_buckets(True)
-    yield
-    torch_pjrt.set_shape_buckets(was)
+    yield from _buckets(True)
 
 
 @pytest.fixture
 def exact_shapes():
     """Shape buckets off for one test: what it checks is one program per exact shape."""
-    was = torch_pjrt.set_shape_buckets(False)
-    yield
-    torch_pjrt.set_shape_buckets(was)
+    yield from _buckets(False)

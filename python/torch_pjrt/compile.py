@@ -82,6 +82,9 @@ _LIVE = weakref.WeakSet()
 
 # What torch_pjrt::replay returns instead of a program id when nothing ran.
 _MISSED, _EAGER, _UNKEYABLE, _BUCKETED = -1, -2, -3, -4
+# The graph's ops then run eagerly; what each such call counts.
+_EAGER_COUNTERS = {_EAGER: "eager_graph_calls", _BUCKETED: "bucketed_graph_calls",
+                   _UNKEYABLE: "eager_graphs"}
 
 
 def _reset():
@@ -190,14 +193,8 @@ class _Graph:
             pid, outs = torch.ops.torch_pjrt.replay.default(self.gid, tensors, values)
         if pid >= 0:
             return _rebuild(self.specs[pid], outs, tensors)
-        if pid == _EAGER:
-            counters["eager_graph_calls"] += 1
-            return self.gm(*args)
-        if pid == _BUCKETED:
-            counters["bucketed_graph_calls"] += 1
-            return self.gm(*args)
-        if pid == _UNKEYABLE:
-            counters["eager_graphs"] += 1
+        if pid in _EAGER_COUNTERS:
+            counters[_EAGER_COUNTERS[pid]] += 1
             return self.gm(*args)
         assert pid == _MISSED, pid
         return self._capture(args)

@@ -69,8 +69,8 @@ enum Slot {
 /// program; one of many lengths (a growing cache, varying batches) stays on bucketed ops.
 const HOT_CALLS: u32 = 4;
 const STATIC_SHAPES: usize = 4;
-/// Bucketed keys a graph remembers; beyond, the least recently used are forgotten (they
-/// cost nothing to rebuild).
+/// Bucketed keys a graph remembers; beyond, they are all forgotten (they cost nothing to
+/// rebuild: a forgotten one only counts its calls again).
 const BUCKETED_KEYS: usize = 4096;
 
 /// One compiled graph (compile.py's `_Graph`): what each input key runs, least recently
@@ -133,14 +133,14 @@ impl Graph {
     /// bucketed key is captured after `HOT_CALLS`. Returns whether the call runs bucketed.
     fn miss(&mut self, key: &[i64]) -> bool {
         let now = self.clock;
-        let full = self.programs() >= STATIC_SHAPES;
         if let Some((Slot::Bucketed(n), used)) = self.slots.get_mut(key) {
             *used = now;
-            if *n < HOT_CALLS || full {
-                *n = n.saturating_add(1);
+            if *n < HOT_CALLS {
+                *n += 1;
                 return true;
             }
-            return false;
+            // Counted only past HOT_CALLS: a bucketed call does not scan the slots.
+            return self.programs() >= STATIC_SHAPES;
         }
         let dropped = self.dropped.iter().any(|(k, _)| k == key);
         if !runtime::buckets::enabled() || self.captures == 0 || dropped || self.has_shapes(key) {
@@ -148,22 +148,7 @@ impl Graph {
         }
         let bucketed = |s: &Slot| matches!(s, Slot::Bucketed(_));
         if self.slots.values().filter(|(s, _)| bucketed(s)).count() >= BUCKETED_KEYS {
-            let old: Vec<Vec<i64>> = {
-                let mut b: Vec<(&Vec<i64>, u64)> = self
-                    .slots
-                    .iter()
-                    .filter(|(_, (s, _))| bucketed(s))
-                    .map(|(k, (_, u))| (k, *u))
-                    .collect();
-                b.sort_unstable_by_key(|(_, u)| *u);
-                b.iter()
-                    .take(BUCKETED_KEYS / 2)
-                    .map(|(k, _)| (*k).clone())
-                    .collect()
-            };
-            for k in old {
-                self.slots.remove(&k);
-            }
+            self.slots.retain(|_, (s, _)| !bucketed(s));
         }
         self.slots.insert(key.to_vec(), (Slot::Bucketed(1), now));
         true
