@@ -202,6 +202,42 @@ def _collectives(rank, world, store, d):
     if world > 1:  # a rank alone has no peer
         both("batch_isend_irecv", p2p)
 
+    if world > 1:
+        # On the CPU plugin Gloo works on the tpu buffers themselves (host memory): no
+        # host copies, all_reduce in place; ops queued before still read the old value and
+        # a buffer held elsewhere is not written.
+        import torch_pjrt
+
+        def copied():
+            m = torch_pjrt.metrics()
+            return m["host_to_device_bytes"] + m["device_to_host_bytes"]
+
+        x = _data(rank, (64,), torch.float32)
+        s = x.clone()
+        dist.all_reduce(s, group=cpu_group)
+        t = x.to(dev)
+        torch.tpu.synchronize()
+        where = torch.ops.torch_pjrt.host_alias(t).data_ptr()
+        before, n = t * 2, copied()
+        dist.all_reduce(t)
+        results["all_reduce in the tensor's own buffer"] = (
+            torch.ops.torch_pjrt.host_alias(t).data_ptr() == where and copied() == n
+        )
+        results["ops queued before keep the old value"] = torch.equal(before.cpu(), x * 2)
+        results["all_reduce in place"] = torch.allclose(t.cpu(), s)
+        t = x.to(dev)
+        held = torch.ops.torch_pjrt.host_alias(t)
+        dist.all_reduce(t)
+        results["a held buffer keeps its value"] = torch.equal(held, x)
+        results["all_reduce of a held buffer"] = torch.allclose(t.cpu(), s)
+        out, t = torch.empty(64 * world, device=dev), x.to(dev) + 0
+        n = copied()
+        dist.all_gather_into_tensor(out, t)
+        results["all_gather without host copies"] = copied() == n
+        g = torch.empty(64 * world)
+        dist.all_gather_into_tensor(g, x, group=cpu_group)
+        results["all_gather"] = torch.equal(out.cpu(), g)
+
     # AVG and PREMUL_SUM (Gloo has neither): against SUM on the CPU.
     x = _data(rank, (5,), torch.float32)
     s = x.clone()

@@ -6,13 +6,19 @@ default, so ``dist.init_process_group()`` under ``torchrun`` (or ``"tpu"``, or
 (store, rendezvous, DDP, FSDP2, DTensor, functional collectives).
 
 Transport on the XLA CPU plugin, which has no cross-process collectives: each collective
-reads its tpu inputs to host tensors (waiting for the ops that produce them, flushing
-DeferAndFuse's pending graph), runs Gloo (PyTorch's) on them, and writes the results
-back into the tpu outputs. AVG and PREMUL_SUM, which Gloo refuses, are a SUM scaled on the
-host; bool travels as uint8. The call returns once Gloo has the data; the exchange runs on
-Gloo's threads and its completion (a callback on Gloo's future) writes the results into the
-tpu tensors, so ``async_op=True`` overlaps communication with the caller (DDP's gradient
-buckets), and ``Work.wait()``/``get_future()`` complete when the results are in place.
+hands its tpu inputs to Gloo (PyTorch's) as host tensors (waiting for the ops that produce
+them, flushing DeferAndFuse's pending graph) and makes Gloo's results the tpu outputs'
+values. The plugin's buffers are host memory, so no copy is made where none is needed: an
+input Gloo only reads is the buffer itself (``torch_pjrt::host_alias``), an all_reduce
+writes into its tensor's buffer in place when nothing else holds that buffer, and a result
+Gloo wrote elsewhere becomes a whole dense output's buffer (``torch_pjrt::adopt_host``).
+Otherwise (other plugins, views, bool, a shared buffer) through host copies. AVG and
+PREMUL_SUM, which Gloo refuses, are a SUM scaled on the host; bool travels as uint8. The
+call returns once Gloo has the data; the exchange runs on Gloo's threads and its completion
+(a callback on Gloo's future) gives the tpu tensors their results, so ``async_op=True``
+overlaps communication with the caller (DDP's gradient buckets), and ``Work.wait()``/
+``get_future()`` complete when the results are in place (as with NCCL, a tensor read
+before then may hold part of the result).
 """
 
 import atexit
@@ -133,17 +139,52 @@ _READY.set_result(None)
 
 
 def _host(t):
-    """A contiguous host copy of tpu tensor `t` for Gloo (bool as uint8)."""
+    """A contiguous host copy of tpu tensor `t` for Gloo to overwrite (bool as uint8)."""
     c = t.detach().to("cpu").contiguous()
     return c.to(torch.uint8) if c.dtype == torch.bool else c
 
 
+def _host_in(t):
+    """Tpu tensor `t`'s data for Gloo to read only: its buffer itself where that is host
+    memory (the CPU plugin; kept from donation while the returned tensor lives)."""
+    if t.dtype != torch.bool:
+        a = torch.ops.torch_pjrt.host_alias(t.detach())
+        if a is not None:
+            return a if a.is_contiguous() else a.contiguous()
+    return _host(t)
+
+
+def _host_inout(t):
+    """Tpu tensor `t`'s own buffer for Gloo to overwrite with the result, as an in-place op
+    would (the CPU plugin; `t` dense and its buffer held by nothing else once the work
+    queued before has read it), or None: copy in and out."""
+    if t.dtype == torch.bool or t.is_conj() or t.is_neg():
+        return None
+    a = torch.ops.torch_pjrt.host_alias(t.detach(), True)
+    return a if a is not None and a.is_contiguous() else None
+
+
+def _scratch(t):
+    """Host memory for Gloo to write tpu tensor `t`'s result into (its value is not read)."""
+    return torch.empty(t.shape, dtype=torch.uint8 if t.dtype == torch.bool else t.dtype)
+
+
+def _outs(tensors):
+    """Host tensors for Gloo to write the results of tpu `tensors` into: their own buffers
+    where allowed (`_host_inout`), else fresh host memory; and which are their own."""
+    shared = [_host_inout(t) for t in tensors]
+    return [_scratch(t) if a is None else a for t, a in zip(tensors, shared, strict=True)], shared
+
+
 def _back(dst, host):
-    """Writes Gloo's result `host` into the tpu tensor `dst`."""
+    """Makes Gloo's result `host` the value of tpu tensor `dst`: its buffer, without a copy,
+    where `dst` is a whole dense storage on the CPU plugin (`host` is not used again)."""
     if dst.dtype == torch.bool:
         host = host != 0
+    host = host.view(dst.shape) if host.shape != dst.shape else host
     with torch.no_grad():
-        dst.copy_(host.view(dst.shape) if host.shape != dst.shape else host)
+        if not torch.ops.torch_pjrt.adopt_host(dst, host):
+            dst.copy_(host)
 
 
 def _split_op(op, dtype):
@@ -275,7 +316,9 @@ class TpuBackend(_C10dBackend):
         back into `tensors`, scaled as `op` asks."""
         if self._size == 1:
             return self._alone_reduce(tensors, op)
-        hosts = [_host(t) for t in tensors]
+        # Gloo reduces in place: into the tensor's own buffer where that is allowed.
+        shared = [_host_inout(t) if write_back else None for t in tensors]
+        hosts = [_host(t) if a is None else a for t, a in zip(tensors, shared, strict=True)]
         gop, factor, mean = _split_op(op, tensors[0].dtype if tensors else None)
         if factor is not None:
             f = factor.item() if isinstance(factor, torch.Tensor) else factor
@@ -283,10 +326,11 @@ class TpuBackend(_C10dBackend):
         size = self._size
 
         def finish():
-            for t, h in zip(tensors, hosts, strict=True):
+            for t, h, a in zip(tensors, hosts, shared, strict=True):
                 if mean:
-                    h = h / size if h.is_floating_point() else h // size
-                _back(t, h)
+                    h = h.div_(size) if h.is_floating_point() else h.floor_divide_(size)
+                if a is None:
+                    _back(t, h)
 
         return _Work(launch(hosts, gop), finish if write_back else None, list(tensors))
 
@@ -310,10 +354,13 @@ class TpuBackend(_C10dBackend):
         return _Work(None, None, result)
 
     @staticmethod
-    def _copy_back(outputs, hosts):
+    def _copy_back(outputs, hosts, shared):
+        """Gives `outputs` Gloo's results in `hosts`, except those written in place."""
+
         def finish():
-            for o, h in zip(outputs, hosts, strict=True):
-                _back(o, h)
+            for o, h, a in zip(outputs, hosts, shared, strict=True):
+                if a is None:
+                    _back(o, h)
 
         return finish
 
@@ -350,11 +397,12 @@ class TpuBackend(_C10dBackend):
         self._check("broadcast", tensors)
         if self._size == 1:
             return _Work(None, None, list(tensors))
-        hosts = [_host(t) for t in tensors]
+        root = self._rank == opts.rootRank
+        hosts, shared = ([_host_in(t) for t in tensors], None) if root else _outs(tensors)
         work = self._gloo.broadcast(
             hosts, _opts(_c10d.BroadcastOptions, rootRank=opts.rootRank, rootTensor=opts.rootTensor)
         )
-        finish = None if self._rank == opts.rootRank else self._copy_back(tensors, hosts)
+        finish = None if root else self._copy_back(tensors, hosts, shared)
         return _Work(work, finish, list(tensors))
 
     def allgather(self, output_tensors, input_tensors, opts):
@@ -362,20 +410,22 @@ class TpuBackend(_C10dBackend):
         if self._size == 1:
             return self._alone_copies([lst[0] for lst in output_tensors], input_tensors,
                                       output_tensors)
-        outs = [[_host(o) for o in lst] for lst in output_tensors]
-        ins = [_host(t) for t in input_tensors]
-        work = self._gloo.allgather(outs, ins, _c10d.AllgatherOptions())
+        ins = [_host_in(t) for t in input_tensors]  # first: an output sharing it is copied
         flat_t = [o for lst in output_tensors for o in lst]
-        flat_h = [h for lst in outs for h in lst]
-        return _Work(work, self._copy_back(flat_t, flat_h), output_tensors)
+        flat_h, shared = _outs(flat_t)
+        it = iter(flat_h)
+        outs = [[next(it) for _ in lst] for lst in output_tensors]
+        work = self._gloo.allgather(outs, ins, _c10d.AllgatherOptions())
+        return _Work(work, self._copy_back(flat_t, flat_h, shared), output_tensors)
 
     def all_gather_single(self, output, input, opts):
         self._check("all_gather_into_tensor", [input])
         if self._size == 1:
             return self._alone_copies([output], [input], [output])
-        out, inp = _host(output), _host(input)
+        inp = _host_in(input)  # first: an output sharing its buffer is not written in place
+        (out,), shared = _outs([output])
         work = self._gloo._allgather_base(out, inp, _c10d.AllgatherOptions())
-        return _Work(work, self._copy_back([output], [out]), [output])
+        return _Work(work, self._copy_back([output], [out], shared), [output])
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
@@ -413,57 +463,72 @@ class TpuBackend(_C10dBackend):
         self._check("all_to_all_single", [input], sizes=not input_split_sizes)
         if self._size == 1:
             return self._alone_copies([output], [input], [output])
-        out, inp = _host(output), _host(input)
+        inp = _host_in(input)
+        (out,), shared = _outs([output])
         work = self._gloo.alltoall_base(
             out, inp, list(output_split_sizes), list(input_split_sizes), _c10d.AllToAllOptions()
         )
-        return _Work(work, self._copy_back([output], [out]), [output])
+        return _Work(work, self._copy_back([output], [out], shared), [output])
 
     def alltoall(self, output_tensors, input_tensors, opts):
         self._check("all_to_all", input_tensors, sizes=False)
         if self._size == 1:
             return self._alone_copies(output_tensors, input_tensors, list(output_tensors))
-        outs = [_host(o) for o in output_tensors]
-        ins = [_host(i) for i in input_tensors]
+        ins = [_host_in(i) for i in input_tensors]
+        outs, shared = _outs(output_tensors)
         work = self._gloo.alltoall(outs, ins, _c10d.AllToAllOptions())
-        return _Work(work, self._copy_back(output_tensors, outs), list(output_tensors))
+        return _Work(work, self._copy_back(output_tensors, outs, shared), list(output_tensors))
 
     def gather(self, output_tensors, input_tensors, opts):
         self._check("gather", input_tensors)
         if self._size == 1:
             return self._alone_copies([lst[0] for lst in output_tensors], input_tensors,
                                       output_tensors)
-        outs = [[_host(o) for o in lst] for lst in output_tensors]
-        ins = [_host(t) for t in input_tensors]
-        work = self._gloo.gather(outs, ins, _opts(_c10d.GatherOptions, rootRank=opts.rootRank))
+        ins = [_host_in(t) for t in input_tensors]
         flat_t = [o for lst in output_tensors for o in lst]
-        flat_h = [h for lst in outs for h in lst]
-        return _Work(work, self._copy_back(flat_t, flat_h), output_tensors)
+        flat_h, shared = _outs(flat_t)
+        it = iter(flat_h)
+        outs = [[next(it) for _ in lst] for lst in output_tensors]
+        work = self._gloo.gather(outs, ins, _opts(_c10d.GatherOptions, rootRank=opts.rootRank))
+        return _Work(work, self._copy_back(flat_t, flat_h, shared), output_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts):
         self._check("scatter", output_tensors)
         if self._size == 1:
             return self._alone_copies(output_tensors, [lst[0] for lst in input_tensors],
                                       list(output_tensors))
-        outs = [_host(o) for o in output_tensors]
-        ins = [[_host(t) for t in lst] for lst in input_tensors]
+        ins = [[_host_in(t) for t in lst] for lst in input_tensors]
+        outs, shared = _outs(output_tensors)
         work = self._gloo.scatter(outs, ins, _opts(_c10d.ScatterOptions, rootRank=opts.rootRank))
-        return _Work(work, self._copy_back(output_tensors, outs), list(output_tensors))
+        return _Work(work, self._copy_back(output_tensors, outs, shared), list(output_tensors))
 
     def send(self, tensors, dst, tag):
-        hosts = [_host(t) for t in tensors]
+        hosts = [_host_in(t) for t in tensors]
         # `hosts` stays referenced by the work's callback until Gloo has sent it.
         return _Work(self._gloo.send(hosts, dst, tag), lambda: hosts, list(tensors))
 
     def recv(self, tensors, src, tag):
-        hosts = [_host(t) for t in tensors]
-        return _Work(self._gloo.recv(hosts, src, tag), self._copy_back(tensors, hosts), list(tensors))
+        hosts, shared = _outs(tensors)
+        work = self._gloo.recv(hosts, src, tag)
+        return _Work(work, self._copy_back(tensors, hosts, shared), list(tensors))
 
     def barrier(self, opts):
         torch.tpu.synchronize()
         if self._size == 1:
             return _Work(None, None, [])
         return _Work(self._gloo.barrier(_c10d.BarrierOptions()), None, [])
+
+
+# Dynamo compiles the Python frames that C++ calls into while a compiled function runs (DDP's
+# reducer broadcasts from a compiled forward): the backend works on host memory and Gloo,
+# nothing to trace, so its collectives always run as written.
+for _name in (
+    "allreduce", "allreduce_coalesced", "reduce", "broadcast", "allgather", "all_gather_single",
+    "all_gather_single_coalesced", "allgather_coalesced", "reduce_scatter",
+    "reduce_scatter_single", "reduce_scatter_single_coalesced", "all_to_all_single", "alltoall",
+    "gather", "scatter", "send", "recv", "barrier",
+):
+    setattr(TpuBackend, _name, torch._dynamo.disable(getattr(TpuBackend, _name), recursive=True))
 
 
 def _assign(dst, src):

@@ -364,6 +364,39 @@ pw_err* pw_buffer_copy_to_device(const void* a, void* buf, void* device, void** 
   return NULL;
 }
 
+/* Where the buffer's bytes are (host memory on the CPU plugin), once it is ready. */
+pw_err* pw_buffer_pointer(const void* a, void* buf, uintptr_t* out) {
+  API;
+  REQUIRE(PJRT_Buffer_UnsafePointer);
+  TRY(pw_buffer_ready(a, buf));
+  ARGS(PJRT_Buffer_UnsafePointer_Args, args);
+  args.buffer = (PJRT_Buffer*)buf;
+  TRY(CALL(PJRT_Buffer_UnsafePointer, args));
+  *out = args.buffer_pointer;
+  return NULL;
+}
+
+/* A buffer over memory the caller owns (dense row-major); `on_delete(ptr, arg)` runs once
+ * PJRT no longer uses it. */
+pw_err* pw_buffer_view(const void* a, void* client, void* data, int type, const int64_t* dims,
+                       size_t num_dims, void* device, void (*on_delete)(void*, void*), void* arg,
+                       void** buf_out) {
+  API;
+  REQUIRE(PJRT_Client_CreateViewOfDeviceBuffer);
+  ARGS(PJRT_Client_CreateViewOfDeviceBuffer_Args, args);
+  args.client = (PJRT_Client*)client;
+  args.device_buffer_ptr = data;
+  args.dims = dims;
+  args.num_dims = num_dims;
+  args.element_type = (PJRT_Buffer_Type)type;
+  args.device = (PJRT_Device*)device;
+  args.on_delete_callback = on_delete;
+  args.on_delete_callback_arg = arg;
+  TRY(CALL(PJRT_Client_CreateViewOfDeviceBuffer, args));
+  *buf_out = args.buffer;
+  return NULL;
+}
+
 pw_err* pw_buffer_destroy(const void* a, void* buf) {
   API;
   ARGS(PJRT_Buffer_Destroy_Args, args);

@@ -56,6 +56,10 @@ pw_err* pw_buffer_on_device_size(const void* api, void* buf, size_t* n);
 pw_err* pw_buffer_unpadded_dims(const void* api, void* buf, const int64_t** dims, size_t* num_dims);
 pw_err* pw_buffer_to_host(const void* api, void* buf, void* dst, size_t dst_size);
 pw_err* pw_buffer_ready(const void* api, void* buf);
+pw_err* pw_buffer_pointer(const void* api, void* buf, uintptr_t* out);
+pw_err* pw_buffer_view(const void* api, void* client, void* data, int type, const int64_t* dims,
+                       size_t num_dims, void* device, void (*on_delete)(void*, void*), void* arg,
+                       void** buf_out);
 pw_err* pw_buffer_is_ready(const void* api, void* buf, int* ready);
 
 pw_err* pw_exe_destroy(const void* api, void* exe);

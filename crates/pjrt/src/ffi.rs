@@ -46,6 +46,8 @@ extern "C" {
     pub fn pw_buffer_unpadded_dims(api: Api, buf: Handle, dims: *mut *const i64, num_dims: *mut usize) -> Err;
     pub fn pw_buffer_to_host(api: Api, buf: Handle, dst: *mut c_void, dst_size: usize) -> Err;
     pub fn pw_buffer_ready(api: Api, buf: Handle) -> Err;
+    pub fn pw_buffer_pointer(api: Api, buf: Handle, out: *mut usize) -> Err;
+    pub fn pw_buffer_view(api: Api, client: Handle, data: *mut c_void, ty: c_int, dims: *const i64, num_dims: usize, device: Handle, on_delete: Option<unsafe extern "C" fn(*mut c_void, *mut c_void)>, arg: *mut c_void, buf_out: *mut Handle) -> Err;
     pub fn pw_buffer_is_ready(api: Api, buf: Handle, ready: *mut c_int) -> Err;
 
     pub fn pw_exe_destroy(api: Api, exe: Handle) -> Err;

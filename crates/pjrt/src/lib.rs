@@ -541,6 +541,65 @@ impl Client {
     }
 }
 
+impl Client {
+    /// A buffer over host memory the caller owns, without a copy (CPU plugin: a device
+    /// buffer is host memory). `data` holds `dims` of `ty`, dense row-major, aligned as
+    /// the plugin requires; `on_delete` runs once, when PJRT no longer uses the memory
+    /// (also if this fails).
+    pub fn view_host_memory(
+        &self,
+        data: *mut u8,
+        ty: ElementType,
+        dims: &[i64],
+        device: usize,
+        on_delete: Box<dyn FnOnce() + Send>,
+    ) -> Result<Buffer> {
+        unsafe extern "C" fn deleted(_data: *mut c_void, arg: *mut c_void) {
+            // SAFETY: `arg` is the box leaked below; PJRT calls this once.
+            let f = unsafe { Box::from_raw(arg as *mut Box<dyn FnOnce() + Send>) };
+            // A panic must not unwind into the plugin.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+        }
+        let arg = Box::into_raw(Box::new(on_delete)) as *mut c_void;
+        let c = &self.inner;
+        let dev = match c.device(device) {
+            Ok(d) => d,
+            Err(e) => {
+                // SAFETY: not handed to PJRT: release it here.
+                unsafe { deleted(ptr::null_mut(), arg) };
+                return Err(e);
+            }
+        };
+        let mut raw: ffi::Handle = ptr::null_mut();
+        // SAFETY: live client and device; `data` stays valid until `deleted` runs (the
+        // caller's contract), `dims` for the call.
+        let r = check(unsafe {
+            ffi::pw_buffer_view(
+                c.api(),
+                c.raw,
+                data.cast(),
+                ty.to_pjrt(),
+                dims.as_ptr(),
+                dims.len(),
+                dev,
+                Some(deleted),
+                arg,
+                &mut raw,
+            )
+        });
+        if let Err(e) = r {
+            if raw.is_null() {
+                // SAFETY: PJRT made no buffer, so it will not call `deleted`.
+                unsafe { deleted(ptr::null_mut(), arg) };
+            }
+            return Err(e);
+        }
+        let mut b = Buffer::wrap(c, raw);
+        b.load_metadata()?;
+        Ok(b)
+    }
+}
+
 // ------------------------------------------------------ compile options --
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -787,6 +846,16 @@ impl Buffer {
         let mut v = vec![0u8; self.byte_size()];
         self.to_host(&mut v)?;
         Ok(v)
+    }
+
+    /// The address of the buffer's bytes once it is ready (on the CPU plugin, host memory
+    /// laid out as `to_host` would copy it, for a flat buffer). Valid while the buffer lives
+    /// and is not donated.
+    pub fn device_pointer(&self) -> Result<*mut u8> {
+        let mut p = 0usize;
+        // SAFETY: `raw` is a live buffer; `p` is a valid out pointer.
+        check(unsafe { ffi::pw_buffer_pointer(self.client.api(), self.raw, &mut p) })?;
+        Ok(p as *mut u8)
     }
 
     /// Blocks until the buffer is ready; returns the producer's error if any.

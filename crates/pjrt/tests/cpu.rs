@@ -306,3 +306,42 @@ fn a_dynamic_dim_set_to_its_bound_leaves_as_a_static_buffer() {
     assert_eq!(out[0].unpadded_dims().unwrap(), vec![5]);
     assert!(exe.execute(&[&out[0], &n]).is_err());
 }
+
+#[test]
+fn host_memory_views_share_bytes_without_copies() {
+    let c = client();
+    // A buffer's bytes are host memory on the CPU plugin: read them in place.
+    let a = upload(&c, &[1.0, 2.0, 3.0, 4.0], 0);
+    let p = a.device_pointer().expect("device pointer") as *const f32;
+    // SAFETY: a ready flat f32[4] buffer, alive for this read.
+    assert_eq!(
+        unsafe { std::slice::from_raw_parts(p, 4) },
+        &[1.0, 2.0, 3.0, 4.0]
+    );
+
+    // A buffer over memory we own: programs read it, the callback runs once on release.
+    #[repr(align(64))]
+    struct Aligned([f32; 4]);
+    let mut mem = Box::new(Aligned([10.0, 20.0, 30.0, 40.0]));
+    let released = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let r = released.clone();
+    let view = c
+        .view_host_memory(
+            mem.0.as_mut_ptr().cast(),
+            ElementType::F32,
+            &[4],
+            0,
+            Box::new(move || {
+                r.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }),
+        )
+        .expect("view");
+    assert_eq!(view.device_pointer().unwrap() as *const f32, mem.0.as_ptr());
+    let exe = c.compile(ADD, 0).unwrap();
+    let out = exe.execute(&[&a, &view]).unwrap();
+    assert_eq!(to_f32(&out[0]), vec![11.0, 22.0, 33.0, 44.0]);
+    assert_eq!(released.load(std::sync::atomic::Ordering::SeqCst), 0);
+    drop(view);
+    assert_eq!(released.load(std::sync::atomic::Ordering::SeqCst), 1);
+    drop(mem);
+}

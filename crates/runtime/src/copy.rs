@@ -277,3 +277,81 @@ pub fn storage_copy(rt: &Runtime, dst: &Storage, src: &Storage, nbytes: i64) -> 
     d[..bytes.len()].copy_from_slice(&bytes);
     dst.set_bytes(rt, &d)
 }
+
+/// Host memory that XLA's CPU buffers hold can be handed to host code (Gloo, in the c10d
+/// backend) without a copy; these two return None/false elsewhere and the caller copies.
+///
+/// The flat buffer holding `t`'s storage as `t`'s dtype, once computed, and the address of
+/// its first byte: a reader of the bytes keeps the buffer, so no later op donates it. With
+/// `writable`, only a buffer nothing else holds once the work queued before has run (the
+/// writer changes the storage's value in place, as an in-place op would).
+pub fn host_alias(
+    rt: &Runtime,
+    t: &TensorRef,
+    writable: bool,
+) -> Result<Option<(Arc<pjrt::Buffer>, *mut u8)>> {
+    let Loc::Device(sp) = t.loc else {
+        return Ok(None);
+    };
+    if !rt.cpu_plugin {
+        return Ok(None);
+    }
+    let dtype = dtype_of(t)?;
+    rt.defer.note_host_read(t.device);
+    // SAFETY: handles from the shim point at live storages.
+    let storage = unsafe { &*sp };
+    if writable && storage.current()?.is_none() {
+        return Ok(None); // never written: no buffer to write into
+    }
+    let buf = storage.buffer_as(rt, dtype)?;
+    if buf.dims() != [storage.nbytes() / dtype.size() as i64] {
+        return Ok(None);
+    }
+    if writable {
+        // Queued jobs and a pending graph that read the old value run first.
+        storage.before_write()?;
+        let same = storage
+            .current()?
+            .is_some_and(|(b, _)| Arc::ptr_eq(&b, &buf));
+        // The storage's reference and ours: nothing else reads or donates it.
+        if !same || Arc::strong_count(&buf) != 2 {
+            return Ok(None);
+        }
+    }
+    let ptr = buf.device_pointer()?;
+    Ok(Some((buf, ptr)))
+}
+
+/// Makes `len` bytes at `data` the value of `dst`, without a copy, where buffers are host
+/// memory and `dst` is its whole storage, dense, of the same size (else false, and the
+/// caller copies). `release` runs once the device no longer reads the memory (at once when
+/// false); until then the caller keeps it alive and unchanged.
+pub fn adopt_host(
+    rt: &Runtime,
+    dst: &TensorRef,
+    data: *mut u8,
+    len: usize,
+    release: Box<dyn FnOnce() + Send>,
+) -> Result<bool> {
+    let Loc::Device(dp) = dst.loc else {
+        release();
+        return Ok(false);
+    };
+    let dtype = dtype_of(dst)?;
+    let n = dst.nbytes / dtype.size() as i64;
+    // XLA:CPU's kernels assume aligned buffers (PyTorch's CPU allocator gives 64 bytes).
+    if !rt.cpu_plugin
+        || !dst.view.is_whole(n)
+        || len as i64 != dst.nbytes
+        || !(data as usize).is_multiple_of(64)
+    {
+        release();
+        return Ok(false);
+    }
+    let buf =
+        rt.client
+            .view_host_memory(data, crate::dtype_to_pjrt(dtype), &[n], dst.device, release)?;
+    // SAFETY: handles from the shim point at live storages.
+    unsafe { &*dp }.set(Arc::new(buf), dtype)?;
+    Ok(true)
+}

@@ -286,7 +286,7 @@ impl Storage {
     }
 
     /// Before the Python thread replaces the contents: queued jobs may still read them.
-    fn before_write(&self) -> Result<()> {
+    pub(crate) fn before_write(&self) -> Result<()> {
         let rt = crate::get()?;
         if rt.defer.write_flushes(self) {
             rt.flush(self.device, "write of a graph input")?;

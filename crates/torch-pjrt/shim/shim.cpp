@@ -673,6 +673,49 @@ void copy_impl(const at::Tensor& src, const at::Tensor& dst, bool non_blocking) 
   if (tpu_rs_copy(&s, &d, non_blocking ? 1 : 0, keep, &release_tensor, &err) != 0) throw_tpu_error(err);
 }
 
+// The c10d backend's zero-copy hand-off to Gloo on the CPU plugin (torch_pjrt::host_alias,
+// torch_pjrt::adopt_host): a CPU tensor over a tpu tensor's buffer (`writable`: for an
+// in-place writer, only a buffer nothing else holds), and host memory that becomes a tpu
+// tensor's value. An undefined tensor (None) / false: copy instead.
+at::Tensor tpu_host_alias(const at::Tensor& t, bool writable) {
+  TORCH_CHECK(t.device().type() == kTpu, "host_alias: expected a tpu tensor, got ", t.device());
+  if (t.is_conj() || t.is_neg()) return at::Tensor();
+  TpuTensor d;
+  describe_or_throw(t, false, &d, "host_alias input");
+  TpuError err;
+  clear_error(err);
+  void* data = nullptr;
+  void* hold = nullptr;
+  int32_t r = tpu_rs_host_alias(&d, writable ? 1 : 0, &data, &hold, &err);
+  if (r == TPU_ERROR) throw_tpu_error(err);
+  if (r == 0) return at::Tensor();
+  const int64_t n = static_cast<int64_t>(t.storage().nbytes()) / static_cast<int64_t>(t.element_size());
+  at::Tensor flat = at::from_blob(
+      data, {n}, [hold](void*) { tpu_rs_host_alias_release(hold); },
+      at::TensorOptions().dtype(t.scalar_type()).device(at::kCPU));
+  return flat.as_strided(t.sizes(), t.strides(), t.storage_offset());
+}
+
+void release_storage(void* s) { delete static_cast<c10::Storage*>(s); }
+
+bool tpu_adopt_host(const at::Tensor& dst, const at::Tensor& src) {
+  TORCH_CHECK(dst.device().type() == kTpu && src.is_cpu(), "adopt_host: expected a tpu destination and a CPU source");
+  if (src.scalar_type() != dst.scalar_type() || !src.is_contiguous() || src.sizes() != dst.sizes() ||
+      src.is_conj() || src.is_neg() || dst.is_conj() || dst.is_neg())
+    return false;
+  TpuTensor d;
+  describe_or_throw(dst, true, &d, "adopt_host destination");
+  TpuError err;
+  clear_error(err);
+  // Rust holds the source's storage (not the tensor: no Python object to release off the
+  // Python thread) until the device lets go of the memory.
+  void* keep = new c10::Storage(src.storage());
+  const int64_t len = src.numel() * static_cast<int64_t>(src.element_size());
+  int32_t r = tpu_rs_adopt_host(&d, src.data_ptr(), len, keep, &release_storage, &err);
+  if (r == TPU_ERROR) throw_tpu_error(err);
+  return r == 1;
+}
+
 at::Tensor tpu_copy_from(const at::Tensor& self, const at::Tensor& dst, bool non_blocking) {
   copy_impl(self, dst, non_blocking);
   return dst;
@@ -1462,6 +1505,8 @@ void init_locked() {
   static torch::Library* own =
       new torch::Library(torch::Library::DEF, "torch_pjrt", std::nullopt, __FILE__, __LINE__);
   own->def("replay(int graph, Tensor[] args, Scalar[] values) -> (int, Tensor[])", TORCH_FN(tpu_replay_op));
+  own->def("host_alias(Tensor self, bool writable=False) -> Tensor", TORCH_FN(tpu_host_alias));
+  own->def("adopt_host(Tensor(a!) self, Tensor src) -> bool", TORCH_FN(tpu_adopt_host));
 
   // Their composite defaults throw for non-CPU/CUDA devices (P5).
   register_boxed_locked("convolution_overrideable");

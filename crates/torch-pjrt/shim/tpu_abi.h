@@ -160,6 +160,17 @@ int32_t tpu_rs_storage_resize(void* handle, int64_t new_nbytes, TpuError* err);
 // once it no longer reads it (at once, or after a queued upload has run).
 int32_t tpu_rs_copy(const TpuTensor* src, const TpuTensor* dst, int32_t non_blocking, void* keep,
                     void (*release)(void*), TpuError* err);
+// Host memory shared with the CPU plugin's buffers (the c10d backend hands it to Gloo).
+// host_alias: 1 with *data (the storage's bytes as t's dtype) and *hold (release it with
+// tpu_rs_host_alias_release once done), 0 where buffers are not host memory (or, with
+// `writable`, where something else holds the buffer: the caller writes it in place), TPU_ERROR.
+// adopt_host: 1 if `len` bytes at `data` became dst's value without a copy (dst is its whole
+// dense storage), 0 if the caller must copy, TPU_ERROR; release(keep) runs once the memory
+// is no longer read (at once unless 1).
+int32_t tpu_rs_host_alias(const TpuTensor* t, int32_t writable, void** data, void** hold, TpuError* err);
+void tpu_rs_host_alias_release(void* hold);
+int32_t tpu_rs_adopt_host(const TpuTensor* dst, void* data, int64_t len, void* keep, void (*release)(void*),
+                          TpuError* err);
 // Streams: 0 is the default stream; tpu_rs_stream_new hands out a side stream. The current
 // stream is per thread (the device guard sets it). query returns 1 (idle), 0 (busy) or
 // TPU_ERROR (2) with err set.

@@ -340,6 +340,79 @@ pub unsafe extern "C" fn tpu_rs_copy(
     })
 }
 
+/// The bytes of `t`'s storage shared with the host (`copy::host_alias`): 1 with `*data` and
+/// `*hold` set (`tpu_rs_host_alias_release(*hold)` once done with the bytes), 0 where the
+/// plugin's buffers are not host memory (or, `writable`, where the buffer is shared).
+///
+/// # Safety
+/// Valid descriptor, out pointers and error pointer.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_host_alias(
+    t: *const TpuTensor,
+    writable: i32,
+    data: *mut *mut c_void,
+    hold: *mut *mut c_void,
+    err: *mut TpuError,
+) -> i32 {
+    guarded(err, "host alias", || {
+        // SAFETY: descriptor filled by the shim.
+        let t = unsafe { tensor(&*t) };
+        Ok(match copy::host_alias(rt()?, &t, writable != 0)? {
+            Some((buf, ptr)) => {
+                // SAFETY: out pointers valid per the contract.
+                unsafe {
+                    *data = ptr.cast();
+                    *hold = Box::into_raw(Box::new(buf)).cast();
+                }
+                1
+            }
+            None => 0,
+        })
+    })
+}
+
+/// Releases what `tpu_rs_host_alias` held.
+///
+/// # Safety
+/// `hold` came from `tpu_rs_host_alias`, released once.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_host_alias_release(hold: *mut c_void) {
+    if !hold.is_null() {
+        // SAFETY: per the contract, a box made by tpu_rs_host_alias.
+        drop(unsafe { Box::from_raw(hold as *mut std::sync::Arc<pjrt::Buffer>) });
+    }
+}
+
+/// `len` bytes at `data` become `dst`'s value without a copy (`copy::adopt_host`): 1 if so,
+/// 0 if the caller must copy. `release(keep)` runs once the memory is no longer read (at
+/// once when 0 or on error).
+///
+/// # Safety
+/// Valid descriptor and error pointer; `data` stays valid and unchanged until `release`.
+#[no_mangle]
+pub unsafe extern "C" fn tpu_rs_adopt_host(
+    dst: *const TpuTensor,
+    data: *mut c_void,
+    len: i64,
+    keep: *mut c_void,
+    release: Option<unsafe extern "C" fn(*mut c_void)>,
+    err: *mut TpuError,
+) -> i32 {
+    // Owns the shim's reference from here on, whatever happens.
+    let host = runtime::worker::HostSource {
+        ptr: std::ptr::null(),
+        len: 0,
+        keep,
+        release,
+    };
+    guarded(err, "adopt host memory", || {
+        // SAFETY: descriptor filled by the shim.
+        let d = unsafe { tensor(&*dst) };
+        let done = Box::new(move || drop(host));
+        Ok(copy::adopt_host(rt()?, &d, data.cast(), len.max(0) as usize, done)? as i32)
+    })
+}
+
 /// A side stream for a new `torch.tpu.Stream` (0 is the default stream).
 #[no_mangle]
 pub extern "C" fn tpu_rs_stream_new() -> i64 {
