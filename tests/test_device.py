@@ -299,3 +299,53 @@ def test_moving_a_module_keeps_its_parameters_and_their_ties():
     out.sum().backward()
     opt.step()
     assert model["head"].weight is model["emb"].weight and emb.weight.device.type == "tpu"
+
+
+# --- host memory shared with the CPU plugin's buffers (the c10d backend's Gloo hand-off) ------
+
+
+def test_host_alias_reads_the_buffer_in_place():
+    t = torch.randn(6, 5, device="tpu")
+    ref = t.cpu()
+    whole = torch.ops.torch_pjrt.host_alias(t)
+    view = torch.ops.torch_pjrt.host_alias(t[1:, 2:])
+    assert whole.device.type == "cpu" and torch.equal(whole, ref)
+    assert torch.equal(view, ref[1:, 2:])
+    assert view.data_ptr() == whole.data_ptr() + (5 + 2) * 4  # the same memory
+
+
+def test_a_writable_alias_waits_for_earlier_readers_and_refuses_shared_buffers():
+    for mode in (torch.tpu.EagerMode.DEFER_NEVER, torch.tpu.EagerMode.DEFER_AND_FUSE):
+        with torch.tpu.set_eager_mode(mode):
+            x = torch.randn(16, device="tpu") + 1
+            old = x.cpu()
+            doubled = x * 2  # queued or deferred: must read the old value
+            a = torch.ops.torch_pjrt.host_alias(x, True)
+            assert a is not None
+            a.fill_(7.0)  # an in-place write, as Gloo's all_reduce makes
+            assert torch.equal(doubled.cpu(), old * 2)
+            assert torch.equal(x.cpu(), torch.full((16,), 7.0))
+            del a
+            held = torch.ops.torch_pjrt.host_alias(x)
+            assert torch.ops.torch_pjrt.host_alias(x, True) is None  # `held` still reads it
+            del held
+            fresh = torch.empty(4, device="tpu")  # never written: nothing to write into
+            assert torch.ops.torch_pjrt.host_alias(fresh, True) is None
+
+
+def test_adopt_host_makes_host_memory_a_tensors_value_without_a_copy():
+    dst = torch.empty(3, 4, device="tpu")
+    src = torch.arange(12.0).reshape(3, 4)
+    assert torch.ops.torch_pjrt.adopt_host(dst, src)
+    assert torch.ops.torch_pjrt.host_alias(dst).data_ptr() == src.data_ptr()
+    expect = src.clone()
+    del src  # the device keeps the memory alive
+    assert torch.equal((dst * 2).cpu(), expect * 2)
+    dst.add_(1)  # later ops (in place too) work on it as on any buffer
+    assert torch.equal(dst.cpu(), expect + 1)
+    # A view, another dtype or shape: refused, the destination unchanged (callers copy).
+    before = dst.cpu()
+    assert not torch.ops.torch_pjrt.adopt_host(dst[1], torch.zeros(4))
+    assert not torch.ops.torch_pjrt.adopt_host(dst, torch.zeros(3, 4, dtype=torch.float64))
+    assert not torch.ops.torch_pjrt.adopt_host(dst, torch.zeros(12))
+    assert torch.equal(dst.cpu(), before)

@@ -308,8 +308,10 @@ pub fn host_alias(
         return Ok(None);
     }
     if writable {
-        // Queued jobs and a pending graph that read the old value run first.
+        // Queued jobs and a pending graph that read the old value run first; the list of
+        // executions whose failure a sync would report no longer needs this one.
         storage.before_write()?;
+        rt.untrack(&buf)?;
         let same = storage
             .current()?
             .is_some_and(|(b, _)| Arc::ptr_eq(&b, &buf));

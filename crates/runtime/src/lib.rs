@@ -442,6 +442,14 @@ impl Runtime {
         }
     }
 
+    /// Stops tracking `buf`, which finished without error (a caller about to own it).
+    pub(crate) fn untrack(&self, buf: &Arc<pjrt::Buffer>) -> Result<()> {
+        buf.ready()?;
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        p.retain(|(_, b)| !Arc::ptr_eq(b, buf));
+        Ok(())
+    }
+
     /// Drops tracked buffers that finished without error (they need no check at sync).
     pub(crate) fn forget_finished(&self) {
         let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());

@@ -309,6 +309,20 @@ pub unsafe extern "C" fn tpu_rs_storage_resize(
     })
 }
 
+/// The shim's reference `keep` to host memory, released by `release(keep)` when dropped
+/// (nothing to release when `keep` is NULL).
+fn shim_reference(
+    keep: *mut c_void,
+    release: Option<unsafe extern "C" fn(*mut c_void)>,
+) -> runtime::worker::HostSource {
+    runtime::worker::HostSource {
+        ptr: std::ptr::null(),
+        len: 0,
+        keep,
+        release: if keep.is_null() { None } else { release },
+    }
+}
+
 /// # Safety
 /// Valid descriptors and error pointer.
 #[no_mangle]
@@ -321,12 +335,7 @@ pub unsafe extern "C" fn tpu_rs_copy(
     err: *mut TpuError,
 ) -> i32 {
     // Owns the shim's reference to the CPU source from here on, whatever happens.
-    let host = runtime::worker::HostSource {
-        ptr: std::ptr::null(),
-        len: 0,
-        keep,
-        release: if keep.is_null() { None } else { release },
-    };
+    let host = shim_reference(keep, release);
     guarded(err, "copy", || {
         // SAFETY: descriptors filled by the shim.
         let (s, d) = unsafe { (tensor(&*src), tensor(&*dst)) };
@@ -399,12 +408,7 @@ pub unsafe extern "C" fn tpu_rs_adopt_host(
     err: *mut TpuError,
 ) -> i32 {
     // Owns the shim's reference from here on, whatever happens.
-    let host = runtime::worker::HostSource {
-        ptr: std::ptr::null(),
-        len: 0,
-        keep,
-        release,
-    };
+    let host = shim_reference(keep, release);
     guarded(err, "adopt host memory", || {
         // SAFETY: descriptor filled by the shim.
         let d = unsafe { tensor(&*dst) };
