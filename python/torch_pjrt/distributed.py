@@ -158,7 +158,7 @@ def _host_inout(t):
     """Tpu tensor `t`'s own buffer for Gloo to overwrite with the result, as an in-place op
     would (the CPU plugin; `t` dense and its buffer held by nothing else once the work
     queued before has read it), or None: copy in and out."""
-    if t.dtype == torch.bool or t.is_conj() or t.is_neg():
+    if t.dtype == torch.bool:
         return None
     a = torch.ops.torch_pjrt.host_alias(t.detach(), True)
     return a if a is not None and a.is_contiguous() else None
@@ -169,11 +169,21 @@ def _scratch(t):
     return torch.empty(t.shape, dtype=torch.uint8 if t.dtype == torch.bool else t.dtype)
 
 
-def _outs(tensors):
+def _outs(tensors, fill=_scratch):
     """Host tensors for Gloo to write the results of tpu `tensors` into: their own buffers
-    where allowed (`_host_inout`), else fresh host memory; and which are their own."""
+    where allowed (`_host_inout`), else `fill(t)` (fresh memory; `_host`: a copy of the
+    value, for Gloo to reduce in place); and which are their own (None where not)."""
     shared = [_host_inout(t) for t in tensors]
-    return [_scratch(t) if a is None else a for t, a in zip(tensors, shared, strict=True)], shared
+    return [fill(t) if a is None else a for t, a in zip(tensors, shared, strict=True)], shared
+
+
+def _nested_outs(output_lists):
+    """`_outs` of lists of outputs (all_gather, gather): the nested host lists Gloo takes,
+    the flat outputs, their flat host tensors and which are their own."""
+    flat_t = [o for lst in output_lists for o in lst]
+    flat_h, shared = _outs(flat_t)
+    it = iter(flat_h)
+    return [[next(it) for _ in lst] for lst in output_lists], flat_t, flat_h, shared
 
 
 def _back(dst, host):
@@ -312,13 +322,17 @@ class TpuBackend(_C10dBackend):
         )
 
     def _reduce(self, tensors, op, launch, write_back=True):
-        """`launch(host_tensors, gloo_op)` on host copies; with `write_back` their results go
-        back into `tensors`, scaled as `op` asks."""
+        """`launch(host_tensors, gloo_op)` on host tensors (copies, or the tensors' own buffers
+        where `_outs` allows); with `write_back` their results go back into `tensors`, scaled
+        as `op` asks."""
         if self._size == 1:
             return self._alone_reduce(tensors, op)
-        # Gloo reduces in place: into the tensor's own buffer where that is allowed.
-        shared = [_host_inout(t) if write_back else None for t in tensors]
-        hosts = [_host(t) if a is None else a for t, a in zip(tensors, shared, strict=True)]
+        # Gloo reduces in place: into the tensor's own buffer where that is allowed (not
+        # where the result is not kept: Gloo uses a non-root's tensor as scratch).
+        if write_back:
+            hosts, shared = _outs(tensors, fill=_host)
+        else:
+            hosts, shared = [_host(t) for t in tensors], None
         gop, factor, mean = _split_op(op, tensors[0].dtype if tensors else None)
         if factor is not None:
             f = factor.item() if isinstance(factor, torch.Tensor) else factor
@@ -326,11 +340,12 @@ class TpuBackend(_C10dBackend):
         size = self._size
 
         def finish():
-            for t, h, a in zip(tensors, hosts, shared, strict=True):
-                if mean:
-                    h = h.div_(size) if h.is_floating_point() else h.floor_divide_(size)
-                if a is None:
-                    _back(t, h)
+            for h in hosts if mean else ():
+                if h.is_floating_point():
+                    h.div_(size)
+                else:
+                    h.floor_divide_(size)
+            self._copy_back(tensors, hosts, shared)()
 
         return _Work(launch(hosts, gop), finish if write_back else None, list(tensors))
 
@@ -411,10 +426,7 @@ class TpuBackend(_C10dBackend):
             return self._alone_copies([lst[0] for lst in output_tensors], input_tensors,
                                       output_tensors)
         ins = [_host_in(t) for t in input_tensors]  # first: an output sharing it is copied
-        flat_t = [o for lst in output_tensors for o in lst]
-        flat_h, shared = _outs(flat_t)
-        it = iter(flat_h)
-        outs = [[next(it) for _ in lst] for lst in output_tensors]
+        outs, flat_t, flat_h, shared = _nested_outs(output_tensors)
         work = self._gloo.allgather(outs, ins, _c10d.AllgatherOptions())
         return _Work(work, self._copy_back(flat_t, flat_h, shared), output_tensors)
 
@@ -485,10 +497,7 @@ class TpuBackend(_C10dBackend):
             return self._alone_copies([lst[0] for lst in output_tensors], input_tensors,
                                       output_tensors)
         ins = [_host_in(t) for t in input_tensors]
-        flat_t = [o for lst in output_tensors for o in lst]
-        flat_h, shared = _outs(flat_t)
-        it = iter(flat_h)
-        outs = [[next(it) for _ in lst] for lst in output_tensors]
+        outs, flat_t, flat_h, shared = _nested_outs(output_tensors)
         work = self._gloo.gather(outs, ins, _opts(_c10d.GatherOptions, rootRank=opts.rootRank))
         return _Work(work, self._copy_back(flat_t, flat_h, shared), output_tensors)
 
