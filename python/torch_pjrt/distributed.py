@@ -338,6 +338,9 @@ class TpuBackend(_C10dBackend):
             f = factor.item() if isinstance(factor, torch.Tensor) else factor
             hosts = [h.mul_(f) if h.is_floating_point() else h for h in hosts]
         size = self._size
+        # Made here: a closure that held `self` could drop the last reference to the backend
+        # on Gloo's thread, whose destructor then joins that thread (an abort at exit).
+        write = self._copy_back(tensors, hosts, shared)
 
         def finish():
             for h in hosts if mean else ():
@@ -345,7 +348,7 @@ class TpuBackend(_C10dBackend):
                     h.div_(size)
                 else:
                     h.floor_divide_(size)
-            self._copy_back(tensors, hosts, shared)()
+            write()
 
         return _Work(launch(hosts, gop), finish if write_back else None, list(tensors))
 
