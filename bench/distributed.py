@@ -1,8 +1,9 @@
 """Distributed: collective bandwidth and DDP step time on tpu against Gloo on CPU tensors.
 
-World size 2 on this host (two processes share the cores: each caps PyTorch's CPU threads at
-one). Per size, all_reduce and all_gather_into_tensor of float32 tensors on tpu (the "tpu"
-c10d backend: host copies + Gloo on the XLA CPU plugin) and on CPU tensors through Gloo;
+World size 2 on this host; each rank, at 1 and 2 ranks, on tpu and on the CPU, is pinned to
+one core (PyTorch's CPU threads and the XLA CPU client's pool alike). Per size, all_reduce and
+all_gather_into_tensor of float32 tensors on tpu (the "tpu" c10d backend: Gloo on the XLA CPU
+plugin's buffers) and on CPU tensors through Gloo;
 bus bandwidth as nccl-tests defines it (all_reduce: 2(n-1)/n x bytes / time, all_gather:
 (n-1)/n x bytes / time). Then a DDP training step of the GPT (bench/models.py, AdamW) at 1
 and 2 ranks, on tpu and on the CPU with Gloo. Medians over repetitions, with their range.
@@ -45,10 +46,24 @@ def _time(fn, device, reps):
     return out
 
 
+def _pin(rank):
+    """One core per rank, at every world size and on both devices: unpinned, one tpu rank
+    had both cores for the XLA CPU client's pool where the CPU baseline had one thread, and
+    two ranks fought over them. Every thread: importing torch already started the plugin's."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = {cores[rank % len(cores)]}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), core)
+        except OSError:  # a thread that ended meanwhile
+            pass
+    torch.set_num_threads(1)
+
+
 def _collectives(rank, world, store, outdir, quick):
+    _pin(rank)
     import torch_pjrt  # noqa: F401
 
-    torch.set_num_threads(1)
     dist.init_process_group("cpu:gloo,tpu:tpu", init_method=f"file://{store}", rank=rank,
                             world_size=world)
     torch.tpu.set_device(rank)
@@ -74,9 +89,9 @@ def _ddp(rank, world, store, outdir, device, steps):
     import models
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    _pin(rank)
     import torch_pjrt  # noqa: F401
 
-    torch.set_num_threads(1)
     dist.init_process_group(init_method=f"file://{store}", rank=rank, world_size=world,
                             backend="tpu" if device == "tpu" else "gloo")
     dev = torch.device("tpu", rank) if device == "tpu" else torch.device("cpu")
