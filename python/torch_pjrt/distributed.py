@@ -337,6 +337,9 @@ class TpuBackend(_C10dBackend):
         if factor is not None:
             f = factor.item() if isinstance(factor, torch.Tensor) else factor
             hosts = [h.mul_(f) if h.is_floating_point() else h for h in hosts]
+        work = launch(hosts, gop)
+        if not write_back:
+            return _Work(work, None, list(tensors))
         size = self._size
         # Made here: a closure that held `self` could drop the last reference to the backend
         # on Gloo's thread, whose destructor then joins that thread (an abort at exit).
@@ -350,7 +353,7 @@ class TpuBackend(_C10dBackend):
                     h.floor_divide_(size)
             write()
 
-        return _Work(launch(hosts, gop), finish if write_back else None, list(tensors))
+        return _Work(work, finish, list(tensors))
 
     # World size 1 (one process, or a subgroup of one rank): each collective's result is
     # the rank's own data, computed on the device; no host round trip, no Gloo.
